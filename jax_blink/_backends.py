@@ -1,0 +1,48 @@
+"""The compiled executors: finding them and registering their FFI handlers with XLA, once."""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+
+TARGET = "jax_blink_collective"
+
+# XLA's platform names for the handlers of each compiled module.
+_MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
+
+
+@functools.cache
+def module(platform: str):
+    """The executor module for a JAX platform ("cpu" or "gpu"), or None if it was not built."""
+    name, _ = _MODULES.get(platform, (None, None))
+    if name is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+@functools.cache
+def register(platform: str) -> bool:
+    """Register the handlers of ``platform``'s executor with XLA; False when there is none."""
+    mod = module(platform)
+    if mod is None:
+        return False
+    xla_platform = _MODULES[platform][1]
+    for target, capsule in mod.registrations().items():
+        jax.ffi.register_ffi_target(target, capsule, platform=xla_platform)
+    return True
+
+
+def available() -> dict[str, bool]:
+    """Which executors this installation has: ``{"cpu": bool, "gpu": bool}``."""
+    return {p: module(p) is not None for p in _MODULES}
+
+
+def check() -> None:
+    """Raise if a GPU collective timed out since the last check (kernels cannot raise themselves)."""
+    mod = module("gpu")
+    if mod is not None and hasattr(mod, "check"):
+        mod.check()

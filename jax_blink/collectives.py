@@ -1,0 +1,392 @@
+"""The collectives users call, and their lowering to the ``jax_blink_collective`` custom call.
+
+Each collective is planned at trace time (topology -> plan -> schedule), lowered to one
+``jax.ffi.ffi_call`` whose attributes carry the schedule program, and differentiated exactly as
+its ``lax`` counterpart (the backward pass is the ``lax`` one).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import warnings
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _backends, schedule as _schedule
+from .options import config
+from .topology import Topology
+from .treegen import plan as _plan
+
+AxisName = str | tuple[str, ...]
+
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
+
+_comm_ids = itertools.count(1)
+_comm_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _next_comm_id() -> int:
+    # One id per lowered call site: the executors key their rendezvous state on it.
+    with _comm_lock:
+        return next(_comm_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace-time context: which axis, how many ranks, which topology, which executor.
+
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
+    return axes
+
+
+def _axis_size(axes: tuple[str, ...]) -> int:
+    try:
+        return int(lax.axis_size(axes if len(axes) > 1 else axes[0]))
+    except NameError as e:
+        raise NameError(
+            f"jax_blink: unknown axis {axes if len(axes) > 1 else axes[0]!r}: call the collective "
+            "inside jax.shard_map or jax.pmap over a mesh that has this axis") from e
+
+
+def _other_axes(axes: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Manual mesh axes besides ``axes``: each slice of them is an independent group."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        names, sizes = mesh.axis_names, mesh.axis_sizes
+    except Exception:  # pmap, or no mesh in context
+        return []
+    manual = set(getattr(mesh, "manual_axes", names))
+    return [(n, s) for n, s in zip(names, sizes) if n not in axes and n in manual and s > 1]
+
+
+def _group_index(axes: tuple[str, ...]):
+    group = jnp.int32(0)
+    for name, size in _other_axes(axes):
+        group = group * size + lax.axis_index(name).astype(jnp.int32)
+    return group
+
+
+def _platform() -> str:
+    try:
+        p = jax.sharding.get_abstract_mesh().abstract_device.platform  # type: ignore[attr-defined]
+    except Exception:
+        p = None
+    try:
+        p = p or jax.sharding.get_abstract_mesh()._platform  # noqa: SLF001 (best effort)
+    except Exception:
+        pass
+    p = p or jax.default_backend()
+    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+@functools.lru_cache(maxsize=None)
+def default_topology(n: int, platform: str) -> Topology:
+    """The topology a call plans on when the user gives none: the first ``n`` devices of the
+    platform, discovered (NVML on GPUs; a uniform host mesh on CPU host devices)."""
+    devices = jax.devices(platform)
+    if n > len(devices):
+        raise ValueError(f"axis of {n} ranks but only {len(devices)} {platform} devices")
+    return Topology.discover(devices[:n])
+
+
+def _topology_for(n: int, platform: str, topology: Topology | None) -> Topology:
+    if topology is None:
+        return default_topology(n, platform)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a jax_blink.Topology, got {type(topology).__name__}")
+    if topology.n != n:
+        raise ValueError(
+            f"topology {topology.name!r} has {topology.n} devices but the axis has {n} ranks; "
+            f"pass topology.subset([...]) with {n} device ids")
+    return topology
+
+
+def _check_dtype(x) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    if dtype.name not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"jax_blink: dtype {dtype.name} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}"
+            " (cast first, e.g. x.astype(jnp.float32))")
+    return dtype
+
+
+def _check_op(op: str) -> int:
+    if op not in _schedule.OPS:
+        raise ValueError(f"jax_blink: op {op!r} is not supported; supported: {sorted(_schedule.OPS)}")
+    return _schedule.OPS[op]
+
+
+def _check_root(root: int, n: int) -> int:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+        raise ValueError(f"jax_blink: root must be a rank in [0, {n}), got {root!r}")
+    return int(root)
+
+
+def _executor_ready(platform: str, what: str) -> bool:
+    """Register the platform's executor; if there is none, fall back as ``config.fallback`` says."""
+    if _backends.register(platform):
+        return True
+    msg = (f"jax_blink: no {platform} executor in this build; {what} falls back to XLA's own "
+           "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
+    if config.fallback == "raise":
+        raise RuntimeError(msg)
+    if config.fallback == "warn" and platform not in _warned:
+        _warned.add(platform)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom call.
+
+@functools.lru_cache(maxsize=256)
+def _program(topo_key, topology: Topology, collective: str, root, total_elems: int, itemsize: int,
+             chunk_bytes, method: str) -> np.ndarray:
+    del topo_key  # part of the cache key only
+    n = topology.n
+    if collective in ("allreduce", "broadcast", "reduce"):
+        p = _plan(topology, collective, None if root is None else topology.devices[root], method=method)
+        sched = _schedule.build_schedule(p, total_elems, itemsize, chunk_bytes=chunk_bytes)
+    else:
+        # all-gather / reduce-scatter: segment k belongs to rank k and travels through the
+        # broadcast (reduce) trees rooted at rank k.
+        kind = {"allgather": "broadcast", "reducescatter": "reduce"}[collective]
+        per = total_elems // n
+        segments = []
+        for k in range(n):
+            p = _plan(topology, kind, topology.devices[k], method=method)
+            segments += _schedule.tree_segments(p, k * per, per, itemsize)
+        sched = _schedule.make_schedule(n, total_elems, itemsize, segments, chunk_bytes=chunk_bytes)
+    program = sched.program()
+    program.setflags(write=False)
+    return program
+
+
+def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
+                     topology=None, method="exact", result_type=None):
+    """One ``jax_blink_collective`` custom call over a flat operand."""
+    n = _axis_size(axes)
+    platform = _platform()
+    topo = _topology_for(n, platform, topology)
+    program = _program(topo.key(), topo, collective, root, int(flat.size),
+                       np.dtype(flat.dtype).itemsize, config.chunk_bytes, method)
+    rank = lax.axis_index(axes if len(axes) > 1 else axes[0]).astype(jnp.int32)
+    if result_type is None:
+        result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    call = jax.ffi.ffi_call(_backends.TARGET, result_type, has_side_effect=True)
+    return call(flat, rank, _group_index(axes), program=program,
+                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
+                timeout_ms=np.int64(round(config.timeout_s * 1000)))
+
+
+def _replicated_type(x, axes):
+    # Match lax.psum's result type under shard_map (invariant along the axis), in every jax
+    # version, by asking jax for it rather than building it by hand.
+    return jax.eval_shape(lambda v: lax.psum(v, axes), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public collectives.
+
+def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | None = None,
+               method: str = "exact"):
+    """Drop-in for ``lax.psum`` (``op="sum"``), ``lax.pmax`` and ``lax.pmin``.
+
+    Call inside ``jax.shard_map`` or ``jax.pmap``. ``topology`` overrides discovery (its device
+    count must equal the axis size); ``method`` picks the tree-packing solver ("exact" or "mwu").
+    """
+    _check_dtype(x)
+    opcode = _check_op(op)
+    axes = _axes(axis_name)
+    n = _axis_size(axes)
+    lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_reduce"):
+        return lax_fn(x, axes)
+
+    @jax.custom_vjp
+    def f(v):
+        out_type = _replicated_type(v.reshape(-1), axes)
+        return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
+                                method=method, result_type=out_type).reshape(v.shape)
+
+    def fwd(v):
+        return f(v), v
+
+    def bwd(v, g):
+        return jax.vjp(lambda u: lax_fn(u, axes), v)[1](g)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
+
+
+def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
+              method: str = "exact"):
+    """Every rank gets rank ``root``'s ``x`` (the same as ``lax.psum`` of ``x`` masked to root)."""
+    _check_dtype(x)
+    axes = _axes(axis_name)
+    n = _axis_size(axes)
+    root = _check_root(root, n)
+
+    def reference(v):
+        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        return lax.psum(jnp.where(idx == root, v, jnp.zeros_like(v)), axes)
+
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast"):
+        return reference(x)
+
+    @jax.custom_vjp
+    def f(v):
+        out_type = _replicated_type(v.reshape(-1), axes)
+        return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
+                                method=method, result_type=out_type).reshape(v.shape)
+
+    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+    return f(x)
+
+
+def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
+           topology: Topology | None = None, method: str = "exact"):
+    """Rank ``root`` gets the reduction of every rank's ``x``; every other rank gets its ``x`` back."""
+    _check_dtype(x)
+    opcode = _check_op(op)
+    axes = _axes(axis_name)
+    n = _axis_size(axes)
+    root = _check_root(root, n)
+    lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
+
+    def is_root():
+        return lax.axis_index(axes if len(axes) > 1 else axes[0]) == root
+
+    def reference(v):
+        return jnp.where(is_root(), lax_fn(v, axes), v)
+
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce"):
+        return reference(x)
+
+    @jax.custom_vjp
+    def f(v):
+        out = _collective_call(v.reshape(-1), axes, "reduce", op=op, root=root,
+                               topology=topology, method=method).reshape(v.shape)
+        # Non-root ranks hold their subtree's partial result: give them their input back.
+        return jnp.where(is_root(), out, v)
+
+    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+    return f(x)
+
+
+def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+               topology: Topology | None = None, method: str = "exact"):
+    """Drop-in for ``lax.all_gather``: every rank's ``x`` stacked (or, tiled, concatenated)."""
+    _check_dtype(x)
+    axes = _axes(axis_name)
+    n = _axis_size(axes)
+    ndim_out = x.ndim if tiled else x.ndim + 1
+    if not -ndim_out <= axis < ndim_out:
+        raise ValueError(f"jax_blink.all_gather: axis {axis} out of range for a result of rank {ndim_out}")
+
+    def reference(v):
+        return lax.all_gather(v, axes, axis=axis, tiled=tiled)
+
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_gather"):
+        return reference(x)
+
+    @jax.custom_vjp
+    def f(v):
+        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        buf = jnp.zeros((n, v.size), v.dtype)
+        buf = lax.dynamic_update_slice(buf, v.reshape(1, -1), (idx, 0)).reshape(-1)
+        out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
+                               result_type=_replicated_type(buf, axes))
+        stacked = out.reshape((n,) + v.shape)
+        if tiled:
+            a = axis % v.ndim
+            stacked = jnp.moveaxis(stacked, 0, a)
+            return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
+        return jnp.moveaxis(stacked, 0, axis % ndim_out)
+
+    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+    return f(x)
+
+
+def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
+                   topology: Topology | None = None, method: str = "exact"):
+    """Drop-in for ``lax.psum_scatter``: rank k gets block k of the sum."""
+    _check_dtype(x)
+    axes = _axes(axis_name)
+    n = _axis_size(axes)
+    if not -x.ndim <= scatter_dimension < x.ndim:
+        raise ValueError(f"jax_blink.reduce_scatter: scatter_dimension {scatter_dimension} out of "
+                         f"range for an operand of rank {x.ndim}")
+    d = scatter_dimension % x.ndim
+    if (tiled and x.shape[d] % n) or (not tiled and x.shape[d] != n):
+        need = f"a multiple of {n}" if tiled else f"equal to the axis size {n}"
+        raise ValueError(f"jax_blink.reduce_scatter: dimension {d} has size {x.shape[d]}, must be {need}")
+
+    def reference(v):
+        return lax.psum_scatter(v, axes, scatter_dimension=d, tiled=tiled)
+
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce_scatter"):
+        return reference(x)
+
+    @jax.custom_vjp
+    def f(v):
+        blocks = jnp.moveaxis(v, d, 0)
+        block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
+        out = _collective_call(blocks.reshape(-1), axes, "reducescatter", topology=topology,
+                               method=method)
+        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        mine = lax.dynamic_slice_in_dim(out.reshape(n, -1), idx, 1, axis=0).reshape(block_shape)
+        mine = jnp.moveaxis(mine, 0, d)
+        return mine if tiled else jnp.squeeze(mine, d)
+
+    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+    return f(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking inside.
+
+def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
+            dtype="float32", method: str = "exact") -> str:
+    """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
+    data is split between them, in which chunks, and why (the plan's own explanation)."""
+    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    if nbytes % itemsize:
+        raise ValueError(f"nbytes={nbytes} is not a whole number of {np.dtype(jnp.dtype(dtype)).name}")
+    n = topology.n
+    if collective in ("allgather", "reducescatter"):
+        total = nbytes // itemsize * (n if collective == "allgather" else 1)
+        lines = [f"{collective} of {nbytes} bytes per rank over {n} ranks: segment k goes through "
+                 f"the {'broadcast' if collective == 'allgather' else 'reduce'} trees rooted at rank k"]
+    else:
+        p = _plan(topology, collective, topology.devices[_check_root(root, n)]
+                  if collective != "allreduce" else None, method=method)
+        lines = [p.explain()]
+        total = nbytes // itemsize
+    prog = _program(topology.key(), topology, collective,
+                    None if collective == "allreduce" else root, total, itemsize,
+                    config.chunk_bytes, method)
+    sched = _schedule.decode(prog)
+    lines.append(f"schedule: {len(sched.trees)} tree segments, chunks of {sched.chunk_elems} "
+                 f"elements ({sched.chunk_elems * itemsize} bytes)")
+    for i, t in enumerate(sched.trees):
+        chunks = -(-t.length // sched.chunk_elems)
+        lines.append(f"  tree {i}: root rank {t.root}, depth {t.depth()}, elements "
+                     f"[{t.offset}, {t.offset + t.length}) in {chunks} chunk(s)")
+    return "\n".join(lines)
+
+
+def backends() -> dict[str, bool]:
+    """Which executors this build has (``{"cpu": ..., "gpu": ...}``)."""
+    return _backends.available()
+
+
+check = _backends.check

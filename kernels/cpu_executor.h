@@ -1,0 +1,41 @@
+// CPU back end of the FFI target "jax_blink_collective": XLA host devices (one host thread each)
+// meet at an in-process rendezvous per (comm_id, group) and run the schedule of program.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/c_api.h"
+
+// The typed-FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL in cpu_executor.cc). Binding:
+//   Ctx<DeviceOrdinal>, Arg<AnyBuffer> x, Arg<Buffer<S32>> rank, Arg<Buffer<S32>> group,
+//   Ret<AnyBuffer> out, Attr<Span<const int32_t>> program, Attr<int32_t> op,
+//   Attr<int64_t> comm_id, Attr<int64_t> timeout_ms.
+extern "C" XLA_FFI_Error* JaxBlinkCollectiveCpu(XLA_FFI_CallFrame* call_frame);
+
+namespace jax_blink::cpu {
+
+// Drops the state of every communicator. Returns an empty string on success; when a call is in
+// flight it drops nothing and returns why.
+std::string ResetAll();
+
+// Number of (comm_id, group) communicators that have state.
+size_t NumComms();
+
+// What one communicator looks like now, for tests and debugging.
+struct CommStatus {
+  bool exists = false;
+  bool configured = false;  // has a program (false after a reset, until the next call)
+  bool failed = false;
+  int nranks = 0;
+  int in_flight = 0;        // calls inside the handler now
+  int acked = 0;            // ranks that have seen the failure (while failed)
+  std::string failure;      // the first failure's message (while failed)
+  std::string seqs;         // per-rank count of calls since the last reset, comma separated
+};
+CommStatus Status(int64_t comm_id, int32_t group);
+
+const char* Version();
+
+}  // namespace jax_blink::cpu

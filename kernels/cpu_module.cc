@@ -1,0 +1,61 @@
+// nanobind module `jax_blink._blink_cpu`: the CPU executor's FFI handler and its communicator state.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <stdexcept>
+
+#include "cpu_executor.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_blink_cpu, m) {
+  m.doc() = "jax_blink CPU executor: the FFI handler of 'jax_blink_collective' for XLA host devices.";
+
+  m.def(
+      "registrations",
+      []() {
+        nb::dict d;
+        d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveCpu));
+        return d;
+      },
+      "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='cpu').");
+
+  m.def(
+      "reset",
+      []() {
+        std::string err = jax_blink::cpu::ResetAll();
+        if (!err.empty()) throw std::runtime_error(err);
+      },
+      "Drop the state of every communicator (raises if a call is running).");
+
+  m.def("num_comms", &jax_blink::cpu::NumComms,
+        "Number of (comm_id, group) communicators with state.");
+
+  m.def(
+      "comm_status",
+      [](int64_t comm_id, int32_t group) -> nb::object {
+        jax_blink::cpu::CommStatus s = jax_blink::cpu::Status(comm_id, group);
+        if (!s.exists) return nb::none();
+        nb::dict d;
+        d["configured"] = s.configured;
+        d["failed"] = s.failed;
+        d["nranks"] = s.nranks;
+        d["in_flight"] = s.in_flight;
+        d["acked"] = s.acked;
+        d["failure"] = s.failure;
+        nb::list seqs;
+        size_t start = 0;
+        while (start < s.seqs.size()) {
+          size_t end = s.seqs.find(',', start);
+          if (end == std::string::npos) end = s.seqs.size();
+          seqs.append(std::stoull(s.seqs.substr(start, end - start)));
+          start = end + 1;
+        }
+        d["seqs"] = seqs;
+        return d;
+      },
+      nb::arg("comm_id"), nb::arg("group") = 0,
+      "State of one communicator (None when it has none): for tests and debugging.");
+
+  m.def("version", &jax_blink::cpu::Version);
+}

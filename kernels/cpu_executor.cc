@@ -4,12 +4,14 @@
 // XLA's CPU client runs each host device's program on its own thread and nothing orders the
 // launches of different devices. Every call of the custom call looks up the communicator of its
 // (comm_id, group): comm_id names the lowered call site, group the slice of the other mesh axes.
-// A communicator holds, per rank, a slot (this call's in/out pointers, the rank's call count) and
-// per tree two progress words, reduce and broadcast, each (seq << 32 | chunks done), where seq is
-// the call count of that rank: the k-th call of the communicator by a rank has seq k, so the
-// words only grow and a word of call k-1 never satisfies a wait of call k. A rank publishes a word
-// only after it wrote the chunk into its `out`; peers read that `out` directly (one process, host
-// pointers are shared), as GPUs read a peer's buffer under peer access.
+// Calls of one communicator are matched across ranks by (RunId, k): ffi::RunId is shared by every
+// device of one launch and differs between launches, and k counts this rank's calls of the comm
+// in that launch (a loop calls one call site many times). The first rank to arrive at a call gives
+// it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers)
+// and per tree two progress words, reduce and broadcast, each (g << 32 | chunks done). A rank
+// publishes a word only after it wrote the chunk into its `out`; a waiter needs the high half to
+// equal its own g, so words of another call never satisfy it. Peers read that `out` directly (one
+// process, host pointers are shared), as GPUs read a peer's buffer under peer access.
 //
 // Waits take the watched rank's mutex and condition variable (no busy spinning: up to 32 host
 // devices share 2 cores); a publisher takes its own mutex to store the word and notifies only when
@@ -43,22 +45,22 @@
 // at the same index only.
 //
 // ## Faults: deadlines, failure, and getting back to work
-// A wait past its deadline marks the communicator failed (first failure's message kept), wakes
-// every waiter of it, and returns DEADLINE_EXCEEDED naming the rank, device, group, the awaited
-// rank, tree, chunk, phase, call number and comm_id. Woken waiters return ABORTED quoting that
-// message. A failing rank waits until no peer is in the middle of copying from its buffers (each
-// read brackets itself with a per-slot reader count and re-checks the failure flag, Dekker-style),
-// so a peer never reads freed memory. Mismatched programs, dtypes, ops, or two calls claiming one
-// rank also fail the communicator at once (INVALID_ARGUMENT), so the others fail fast instead of
-// waiting out their deadline.
-// A failed communicator does not touch any other comm_id. Each rank that leaves a failed call or
-// enters the failed communicator "acknowledges" the failure; entering calls fail fast (ABORTED)
-// with the original message and how many ranks have acknowledged. When all nranks have
-// acknowledged and no call is in flight, the communicator resets itself: counters, call counts and
-// program are dropped, and the next call of every rank is call #1 again, so the ranks line up.
-// E.g. a rank skipped under lax.cond: run 1 times out on the others; while the rank keeps skipping,
-// every run fails fast; the first run where it takes part fails fast on every rank (it is the last
-// to acknowledge) and resets; the run after works. `_blink_cpu.reset()` drops everything at once.
+// A wait past its deadline marks its call (the CallRec of (RunId, k)) failed, keeping the first
+// message, wakes every waiter of the communicator, and returns DEADLINE_EXCEEDED naming the rank,
+// device, group, the awaited rank, tree, chunk, phase, call and comm_id, and the ranks that never
+// joined the call. Waiters of that call wake and return ABORTED quoting it; a rank that arrives at
+// the failed call later (a slow rank) fails at once. A failing rank first waits until no peer is
+// in the middle of copying from its buffers (each copy brackets itself with a per-slot reader count
+// and re-checks the failure flag, Dekker-style), so a peer never reads memory XLA has reused.
+// A program, dtype, op or size that differs from its peers' fails the call the same way
+// (INVALID_ARGUMENT), so the others fail fast instead of waiting out their deadline.
+// Nothing else needs resetting: the failure belongs to one call of one launch. Other comm_ids are
+// other communicators; the next launch has a new RunId, so its calls start afresh on every rank
+// and line up whatever the failed launch left behind (a rank skipped under lax.cond: each launch
+// times out on the others while it keeps skipping, and works as soon as it takes part). Calls that
+// some rank never joins stay in the table until it grows past a bound, then are evicted oldest
+// first (a rank arriving for an evicted call waits for peers that are gone: a timeout, never a
+// hang). `_blink_cpu.reset()` drops every communicator when nothing runs.
 
 #include "cpu_executor.h"
 
@@ -280,6 +282,17 @@ const char* OpName(int32_t op) { return op == 0 ? "sum" : op == 1 ? "max" : op =
 // ---------------------------------------------------------------------------------------------
 // Communicator state.
 
+// One call of a communicator, as every rank of it sees it: the k-th call of the comm in launch
+// `run_id` (ffi::RunId is shared by all devices of one launch). It lives in Comm::calls from the
+// first rank's arrival until every rank has been through it (or it is evicted, see Comm::Evict).
+struct CallRec {
+  uint32_t g = 0;               // comm-wide number of this call: the high half of progress words
+  int arrived = 0;              // ranks that entered it
+  int left = 0;                 // ranks that returned from it
+  std::atomic<bool> failed{false};
+  std::string failure;          // first failure's message, under Comm::mu
+};
+
 struct Slot {
   // Guards the progress words' updates (not their reads) and the condition variable.
   std::mutex mu;
@@ -289,19 +302,21 @@ struct Slot {
   std::atomic<void*> out{nullptr};        // progress word of the call: its acquire publishes them)
   std::atomic<int> readers{0};            // peers copying from `out` right now
   // Under Comm::mu:
-  uint64_t seq = 0;       // calls this rank started since the last reset
+  int64_t run_id = 0;     // launch of the current (or last) call
+  uint32_t k = 0;         // calls of this comm in that launch so far
+  uint32_t g = 0;         // CallRec::g of the current (or last) call; 0 = none yet
+  uint64_t calls = 0;     // calls since the communicator was made (statistics)
   bool in_call = false;
-  bool acked = false;     // has seen the current failure
   int device = -1;
 };
 
 struct Comm {
-  Comm(int64_t id, int32_t g) : comm_id(id), group(g) {}
+  Comm(int64_t id, int32_t grp) : comm_id(id), group(grp) {}
   const int64_t comm_id;
   const int32_t group;
 
   std::mutex mu;
-  // Configuration: written under mu while no call is in flight; read freely by calls in flight.
+  // Configuration: written once, by the first call, under mu; read freely afterwards.
   bool configured = false;
   std::vector<int32_t> words;  // the program, as the first rank brought it
   Program program;             // decoded over `words`
@@ -314,17 +329,18 @@ struct Comm {
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<std::atomic<uint64_t>[]> progress;  // [(r * ntrees + t) * 2 + phase]
 
-  // Under mu (failed is also read without it).
+  // Under mu.
+  std::map<std::pair<int64_t, uint32_t>, CallRec> calls;  // (run_id, k) -> call
+  uint32_t next_g = 0;
   int in_flight = 0;
-  std::atomic<bool> failed{false};
-  std::string failure;
-  int nacked = 0;
+  uint64_t failures = 0;
+
 
   std::atomic<uint64_t>& word(int r, int t, int phase) {
     return progress[(static_cast<size_t>(r) * ntrees + t) * 2 + phase];
   }
 
-  // Under mu, with no call in flight.
+  // Under mu, once.
   std::string Configure(const int32_t* data, int64_t size, ffi::DataType dt, int32_t the_op) {
     words.assign(data, data + size);
     std::string err = program.Decode(words.data(), size);
@@ -360,46 +376,45 @@ struct Comm {
     }
     if (program.total_elems() > at) gaps.emplace_back(at, program.total_elems() - at);
     slots.reset(new Slot[nranks]);
-    progress.reset(new std::atomic<uint64_t>[static_cast<size_t>(nranks) * ntrees * 2]);
-    for (size_t i = 0; i < static_cast<size_t>(nranks) * ntrees * 2; ++i) progress[i].store(0);
+    const size_t nwords = static_cast<size_t>(nranks) * ntrees * 2;
+    progress.reset(new std::atomic<uint64_t>[nwords]);
+    for (size_t i = 0; i < nwords; ++i) progress[i].store(0);
     configured = true;
     return {};
   }
 
-  // Under mu: forget everything once every rank has seen the failure and nobody is inside.
-  void MaybeResetLocked() {
-    if (!failed.load() || nacked < nranks || in_flight != 0) return;
-    configured = false;
-    words.clear();
-    slots.reset();
-    progress.reset();
-    failure.clear();
-    nacked = 0;
-    failed.store(false);
-  }
-
-  // Under mu.
-  void AckLocked(int rank) {
-    if (rank < 0 || rank >= nranks || !slots) return;
-    if (!slots[rank].acked) {
-      slots[rank].acked = true;
-      ++nacked;
+  // Under mu. Marks `rec` failed (the first message wins) and wakes every waiter of this comm
+  // (lock order: Comm::mu, then Slot::mu; nobody takes them the other way round).
+  void FailLocked(CallRec& rec, const std::string& msg) {
+    if (!rec.failed.load()) {
+      rec.failure = msg;
+      rec.failed.store(true);
+      ++failures;
     }
-  }
-
-  // Under mu. Marks the communicator failed (the first message wins); call WakeAll after unlock.
-  void FailLocked(const std::string& msg) {
-    if (!failed.load()) {
-      failure = msg;
-      failed.store(true);
-    }
-  }
-
-  void WakeAll() {
-    if (!slots) return;
     for (int r = 0; r < nranks; ++r) {
       std::lock_guard<std::mutex> g(slots[r].mu);
       slots[r].cv.notify_all();
+    }
+  }
+
+  // Under mu. A call leaves the table once every rank has been through it; calls that some rank
+  // never joins (it skipped them, or its launch failed first) are evicted oldest first, once
+  // nobody is inside, when the table grows past kMaxCalls. A rank arriving for an evicted call
+  // starts it afresh and times out waiting for its peers: an error, never a hang.
+  void LeaveLocked(std::map<std::pair<int64_t, uint32_t>, CallRec>::iterator it) {
+    if (++it->second.left >= nranks) {
+      calls.erase(it);
+      return;
+    }
+    const size_t max_calls = std::max<size_t>(64, 4 * static_cast<size_t>(nranks));
+    while (calls.size() > max_calls) {
+      auto victim = calls.end();
+      for (auto j = calls.begin(); j != calls.end(); ++j)
+        if (j->second.arrived == j->second.left &&
+            (victim == calls.end() || j->second.g - victim->second.g > 0x80000000u))
+          victim = j;
+      if (victim == calls.end()) break;
+      calls.erase(victim);
     }
   }
 };
@@ -431,64 +446,70 @@ std::shared_ptr<Comm> GetComm(int64_t comm_id, int32_t group) {
 
 class Call {
  public:
-  Call(Comm& comm, int rank, int device, uint64_t seq, int64_t timeout_ms)
-      : c_(comm), rank_(rank), device_(device), seq_(seq), timeout_(timeout_ms) {}
+  Call(Comm& comm, CallRec& rec, int rank, int device, uint32_t k, int64_t timeout_ms)
+      : c_(comm), rec_(rec), rank_(rank), device_(device), k_(k), g_(rec.g), timeout_(timeout_ms) {}
 
   const std::string& error() const { return error_; }
   ffi::ErrorCode code() const { return code_; }
+  uint64_t base() const { return static_cast<uint64_t>(g_) << 32; }
 
   std::string Who() const {
     return "jax_blink: rank " + std::to_string(rank_) + " (host device " + std::to_string(device_) +
            ", group " + std::to_string(c_.group) + ")";
   }
   std::string CallName() const {
-    return "call #" + std::to_string(seq_) + " of collective " + std::to_string(c_.comm_id);
+    return "call #" + std::to_string(k_) + " of collective " + std::to_string(c_.comm_id) +
+           " in this launch";
   }
 
-  // Waits until `peer`'s progress word (t, phase) reaches `target` (chunk `chunk` is done).
-  bool Wait(int peer, int t, int phase, int64_t chunk, uint64_t target) {
+  // Waits until `peer` has finished chunk `chunk` of (t, phase) in this call.
+  bool Wait(int peer, int t, int phase, int64_t chunk) {
     std::atomic<uint64_t>& w = c_.word(peer, t, phase);
-    if (w.load(std::memory_order_acquire) >= target) return true;
-    if (c_.failed.load()) return PeerFailed(peer, t, phase, chunk);
+    const uint64_t target = base() | static_cast<uint64_t>(chunk + 1);
+    auto reached = [&] {
+      const uint64_t v = w.load(std::memory_order_acquire);
+      return (v >> 32) == g_ && v >= target;
+    };
+    if (reached()) return true;
+    if (rec_.failed.load()) return PeerFailed(peer, t, phase, chunk);
     std::this_thread::yield();  // give the peer a chance before sleeping
-    if (w.load(std::memory_order_acquire) >= target) return true;
+    if (reached()) return true;
     Slot& s = c_.slots[peer];
     const auto start = Clock::now();
     const auto deadline = start + std::chrono::milliseconds(timeout_);
-    bool reached;
+    bool ok;
     {
       std::unique_lock<std::mutex> lk(s.mu);
       ++s.waiters;
-      reached = s.cv.wait_until(lk, deadline, [&] {
-        return w.load(std::memory_order_acquire) >= target || c_.failed.load();
-      });
+      ok = s.cv.wait_until(lk, deadline, [&] { return reached() || rec_.failed.load(); });
       --s.waiters;
     }
-    if (c_.failed.load()) return PeerFailed(peer, t, phase, chunk);
-    if (reached) return true;
+    if (rec_.failed.load()) return PeerFailed(peer, t, phase, chunk);
+    if (ok) return true;
     char secs[32];
     std::snprintf(secs, sizeof secs, "%.1f",
                   std::chrono::duration<double>(Clock::now() - start).count());
     error_ = Who() + " waited " + secs + " s for rank " + std::to_string(peer) + " in tree " +
              std::to_string(t) + " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) +
              "), " + CallName() + ". A rank did not join this collective (skipped under "
-             "lax.cond?) or a peer failed. The collective's state is reset: every rank's call of "
-             "it fails fast until all " + std::to_string(c_.nranks) +
-             " ranks have seen the failure, then it starts afresh (or call "
-             "jax_blink._blink_cpu.reset() when nothing runs).";
+             "lax.cond?) or a peer failed. ";
     code_ = ffi::ErrorCode::kDeadlineExceeded;
-    {
-      std::lock_guard<std::mutex> g(c_.mu);
-      c_.FailLocked(error_);
-    }
-    c_.WakeAll();
+    std::lock_guard<std::mutex> g(c_.mu);
+    std::string absent;
+    for (int r = 0; r < c_.nranks; ++r)
+      if (c_.slots[r].g != g_) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+    error_ += absent.empty() ? "Every rank joined this call (a peer failed or is stuck). "
+                             : "Ranks that never joined this call: " + absent + ". ";
+    error_ += "This call fails on every rank (a late rank fails fast); the collective's state is "
+              "reset for the next launch, which starts afresh.";
+    c_.FailLocked(rec_, error_);
     return false;
   }
 
   // Brackets copies from peers' `out`: a failing peer waits for its readers before it returns.
   bool BeginRead(const int32_t* peers, int n) {
     for (int i = 0; i < n; ++i) c_.slots[peers[i]].readers.fetch_add(1);
-    if (c_.failed.load()) {
+    if (rec_.failed.load()) {
       EndRead(peers, n);
       return PeerFailed(peers[0], -1, 0, -1);
     }
@@ -498,13 +519,13 @@ class Call {
     for (int i = 0; i < n; ++i) c_.slots[peers[i]].readers.fetch_sub(1, std::memory_order_release);
   }
 
-  // Stores this rank's progress word and wakes whoever waits on this rank.
-  void Publish(int t, int phase, uint64_t value) {
+  // Stores this rank's progress word: chunks [0, chunks) of (t, phase) are done.
+  void Publish(int t, int phase, int64_t chunks) {
     Slot& s = c_.slots[rank_];
     bool notify;
     {
       std::lock_guard<std::mutex> g(s.mu);
-      c_.word(rank_, t, phase).store(value, std::memory_order_release);
+      c_.word(rank_, t, phase).store(base() | static_cast<uint64_t>(chunks), std::memory_order_release);
       notify = s.waiters > 0;
     }
     if (notify) s.cv.notify_all();
@@ -517,7 +538,7 @@ class Call {
     std::string failure;
     {
       std::lock_guard<std::mutex> g(c_.mu);
-      failure = c_.failure;
+      failure = rec_.failure;
     }
     error_ = Who() + ": " + CallName() + " failed while this rank ";
     if (t >= 0)
@@ -531,8 +552,9 @@ class Call {
   }
 
   Comm& c_;
+  CallRec& rec_;
   const int rank_, device_;
-  const uint64_t seq_;
+  const uint32_t k_, g_;
   const int64_t timeout_;
   std::string error_;
   ffi::ErrorCode code_ = ffi::ErrorCode::kOk;
@@ -540,12 +562,11 @@ class Call {
 
 ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
 
-// Runs the schedule for one rank (the caller has entered the communicator).
-bool RunSchedule(Comm& c, Call& call, int rank, uint64_t seq, ReduceFn reduce, size_t esize,
-                 const char* in, char* out) {
+// Runs the schedule for one rank (the caller has entered the call).
+bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
+                 char* out) {
   const Program& p = c.program;
   const int64_t ce = p.chunk_elems();
-  const uint64_t base = seq << 32;
   const bool alias = in == out;
   if (!alias)
     for (const auto& [off, len] : c.gaps) std::memcpy(out + off * esize, in + off * esize, len * esize);
@@ -568,7 +589,7 @@ bool RunSchedule(Comm& c, Call& call, int rank, uint64_t seq, ReduceFn reduce, s
       for (int64_t ch = 0; ch < nch; ++ch) {
         const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
         for (int k = 0; k < nk; ++k)
-          if (!call.Wait(kids[k], t, kReduce, ch, base | (ch + 1))) return false;
+          if (!call.Wait(kids[k], t, kReduce, ch)) return false;
         if (nk == 0) {
           if (!alias) std::memcpy(out + off * esize, in + off * esize, n * esize);
         } else {
@@ -579,20 +600,21 @@ bool RunSchedule(Comm& c, Call& call, int rank, uint64_t seq, ReduceFn reduce, s
           reduce(out + off * esize, in + off * esize, kid_ptrs.data(), nk, n);
           call.EndRead(kids, nk);
         }
-        call.Publish(t, kReduce, base | (ch + 1));
-        if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, base | (ch + 1));
+        call.Publish(t, kReduce, ch + 1);
+        // The root's broadcast phase has nothing to do: let its children start at once.
+        if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, ch + 1);
       }
     }
     if (tv.phases & kPhaseBroadcast) {
       if (root) {
         if (!(tv.phases & kPhaseReduce)) {
           if (alias) {
-            call.Publish(t, kBroadcast, base | nch);
+            call.Publish(t, kBroadcast, nch);
           } else {
             for (int64_t ch = 0; ch < nch; ++ch) {
               const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
               std::memcpy(out + off * esize, in + off * esize, n * esize);
-              call.Publish(t, kBroadcast, base | (ch + 1));
+              call.Publish(t, kBroadcast, ch + 1);
             }
           }
         }
@@ -600,12 +622,12 @@ bool RunSchedule(Comm& c, Call& call, int rank, uint64_t seq, ReduceFn reduce, s
         const int32_t par[1] = {parent};
         for (int64_t ch = 0; ch < nch; ++ch) {
           const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-          if (!call.Wait(parent, t, kBroadcast, ch, base | (ch + 1))) return false;
+          if (!call.Wait(parent, t, kBroadcast, ch)) return false;
           const char* src = static_cast<const char*>(c.slots[parent].out.load(std::memory_order_relaxed));
           if (!call.BeginRead(par, 1)) return false;
           std::memcpy(out + off * esize, src + off * esize, n * esize);
           call.EndRead(par, 1);
-          call.Publish(t, kBroadcast, base | (ch + 1));
+          call.Publish(t, kBroadcast, ch + 1);
         }
       }
     }
@@ -618,15 +640,15 @@ bool RunSchedule(Comm& c, Call& call, int rank, uint64_t seq, ReduceFn reduce, s
     if (tv.phases & kPhaseBroadcast) {
       const size_t ci = static_cast<size_t>(t) * c.nranks + rank;
       for (int32_t i = c.child_begin[ci]; i < c.child_begin[ci + 1]; ++i)
-        if (!call.Wait(c.child_list[i], t, kBroadcast, nch - 1, base | nch)) return false;
+        if (!call.Wait(c.child_list[i], t, kBroadcast, nch - 1)) return false;
     } else if (tv.root != rank) {
-      if (!call.Wait(tv.parent[rank], t, kReduce, nch - 1, base | nch)) return false;
+      if (!call.Wait(tv.parent[rank], t, kReduce, nch - 1)) return false;
     }
   }
   return true;
 }
 
-ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+ffi::Error Execute(int32_t device, ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Span<const int32_t> program, int32_t op, int64_t comm_id,
                    int64_t timeout_ms) {
@@ -653,9 +675,10 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
 
   std::shared_ptr<Comm> comm_ptr = GetComm(comm_id, group);
   Comm& c = *comm_ptr;
-  uint64_t seq;
+  std::map<std::pair<int64_t, uint32_t>, CallRec>::iterator it;
+  uint32_t k;
   {
-    std::unique_lock<std::mutex> lk(c.mu);
+    std::lock_guard<std::mutex> lk(c.mu);
     auto who = [&] {
       return "jax_blink: rank " + std::to_string(rank) + " (host device " + std::to_string(device) +
              ", group " + std::to_string(group) + ") of collective " + std::to_string(comm_id) + ": ";
@@ -664,6 +687,30 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
       std::string err = c.Configure(program.begin(), static_cast<int64_t>(program.size()), dtype, op);
       if (!err.empty()) return Fail(ffi::ErrorCode::kInvalidArgument, who() + "bad schedule program: " + err);
     }
+    if (rank < 0 || rank >= c.nranks)
+      return Fail(ffi::ErrorCode::kInvalidArgument,
+                  who() + "rank " + std::to_string(rank) + " is outside the program's " +
+                      std::to_string(c.nranks) + " ranks (the mesh axis and the program disagree)");
+    Slot& s = c.slots[rank];
+    if (s.in_call)
+      return Fail(ffi::ErrorCode::kInvalidArgument,
+                  who() + "another call (host device " + std::to_string(s.device) +
+                      ") is running as the same rank of the same group");
+    if (s.run_id != run.run_id || s.g == 0) {
+      s.run_id = run.run_id;
+      s.k = 0;
+    }
+    k = ++s.k;
+    it = c.calls.find({run.run_id, k});
+    if (it == c.calls.end()) {
+      it = c.calls.try_emplace({run.run_id, k}).first;
+      if (++c.next_g == 0) ++c.next_g;  // 0 means "no call yet"
+      it->second.g = c.next_g;
+    }
+    CallRec& rec = it->second;
+    ++rec.arrived;
+    s.g = rec.g;
+    ++s.calls;
     std::string mismatch;
     if (program.size() != c.words.size() ||
         !std::equal(program.begin(), program.end(), c.words.begin()))
@@ -676,40 +723,30 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
     else if (static_cast<int64_t>(x.element_count()) != c.program.total_elems())
       mismatch = "the operand has " + std::to_string(x.element_count()) + " elements, the program " +
                  std::to_string(c.program.total_elems());
-    else if (rank < 0 || rank >= c.nranks)
-      mismatch = "rank " + std::to_string(rank) + " is outside the program's " + std::to_string(c.nranks) + " ranks";
-    else if (c.slots[rank].in_call)
-      mismatch = "another call (host device " + std::to_string(c.slots[rank].device) +
-                 ") is running as the same rank";
     if (!mismatch.empty()) {
-      std::string msg = who() + mismatch + ". Every rank of a collective must run the same call. "
-                              "The collective is failed for all its ranks.";
-      c.FailLocked(msg);
-      c.AckLocked(rank);
-      c.WakeAll();  // under c.mu (lock order: Comm::mu, then Slot::mu), before a reset frees slots
-      c.MaybeResetLocked();
+      std::string msg = who() + mismatch + ". Every rank of a collective must run the same call; "
+                                "this call fails on every rank.";
+      c.FailLocked(rec, msg);
+      c.LeaveLocked(it);
       return Fail(ffi::ErrorCode::kInvalidArgument, msg);
     }
-    Slot& s = c.slots[rank];
-    if (c.failed.load()) {
-      c.AckLocked(rank);
-      std::string msg = who() + "this call is dropped because the collective failed earlier; it runs "
-                              "again once all " + std::to_string(c.nranks) +
-                        " ranks have seen the failure (" + std::to_string(c.nacked) +
-                        " have). First failure: " + c.failure;
-      c.MaybeResetLocked();
+    if (rec.failed.load()) {
+      std::string msg = who() + "call #" + std::to_string(k) +
+                        " of this launch already failed on its peers; it fails here at once. "
+                        "First failure: " + rec.failure;
+      c.LeaveLocked(it);
       return Fail(ffi::ErrorCode::kAborted, msg);
     }
     s.in_call = true;
     s.device = device;
-    seq = ++s.seq;
     s.in.store(x.untyped_data(), std::memory_order_relaxed);
     s.out.store(out->untyped_data(), std::memory_order_relaxed);
     ++c.in_flight;
   }
 
-  Call call(c, rank, device, seq, timeout_ms);
-  bool ok = RunSchedule(c, call, rank, seq, reduce, ffi::ByteWidth(dtype),
+  CallRec& rec = it->second;
+  Call call(c, rec, rank, device, k, timeout_ms);
+  bool ok = RunSchedule(c, call, rank, reduce, ffi::ByteWidth(dtype),
                         static_cast<const char*>(x.untyped_data()), static_cast<char*>(out->untyped_data()));
   std::string error = call.error();
   ffi::ErrorCode code = call.code();
@@ -723,15 +760,12 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
     std::lock_guard<std::mutex> g(c.mu);
     c.slots[rank].in_call = false;
     --c.in_flight;
-    if (c.failed.load()) {
-      if (ok) {
-        ok = false;
-        error = call.Who() + ": " + call.CallName() + " finished here but the collective failed: " + c.failure;
-        code = ffi::ErrorCode::kAborted;
-      }
-      c.AckLocked(rank);
-      c.MaybeResetLocked();
+    if (ok && rec.failed.load()) {
+      ok = false;
+      error = call.Who() + ": " + call.CallName() + " finished here, but failed on a peer: " + rec.failure;
+      code = ffi::ErrorCode::kAborted;
     }
+    c.LeaveLocked(it);
   }
   if (!ok) return Fail(code, error);
   return ffi::Error::Success();
@@ -769,14 +803,15 @@ CommStatus Status(int64_t comm_id, int32_t group) {
   CommStatus s;
   s.exists = true;
   s.configured = comm->configured;
-  s.failed = comm->failed.load();
   s.nranks = comm->nranks;
   s.in_flight = comm->in_flight;
-  s.acked = comm->nacked;
-  s.failure = comm->failure;
+  s.failures = comm->failures;
+  for (const auto& [key, rec] : comm->calls) {
+    ++s.open_calls;
+    if (rec.failed.load()) ++s.failed_calls;
+  }
   if (comm->slots)
-    for (int r = 0; r < comm->nranks; ++r)
-      s.seqs += (r ? "," : "") + std::to_string(comm->slots[r].seq);
+    for (int r = 0; r < comm->nranks; ++r) s.calls.push_back(comm->slots[r].calls);
   return s;
 }
 
@@ -787,6 +822,7 @@ const char* Version() { return "jax_blink CPU executor 0.1.0 (program format v1)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCpu, jax_blink::cpu::Execute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::RunId>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()

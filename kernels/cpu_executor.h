@@ -5,11 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/c_api.h"
 
 // The typed-FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL in cpu_executor.cc). Binding:
-//   Ctx<DeviceOrdinal>, Arg<AnyBuffer> x, Arg<Buffer<S32>> rank, Arg<Buffer<S32>> group,
+//   Ctx<DeviceOrdinal>, Ctx<RunId> (matches calls of one launch), Arg<AnyBuffer> x, Arg<Buffer<S32>> rank, Arg<Buffer<S32>> group,
 //   Ret<AnyBuffer> out, Attr<Span<const int32_t>> program, Attr<int32_t> op,
 //   Attr<int64_t> comm_id, Attr<int64_t> timeout_ms.
 extern "C" XLA_FFI_Error* JaxBlinkCollectiveCpu(XLA_FFI_CallFrame* call_frame);
@@ -26,13 +27,13 @@ size_t NumComms();
 // What one communicator looks like now, for tests and debugging.
 struct CommStatus {
   bool exists = false;
-  bool configured = false;  // has a program (false after a reset, until the next call)
-  bool failed = false;
+  bool configured = false;      // has its program (from its first call)
   int nranks = 0;
-  int in_flight = 0;        // calls inside the handler now
-  int acked = 0;            // ranks that have seen the failure (while failed)
-  std::string failure;      // the first failure's message (while failed)
-  std::string seqs;         // per-rank count of calls since the last reset, comma separated
+  int in_flight = 0;            // calls inside the handler now
+  uint64_t failures = 0;        // calls that failed since the communicator was made
+  int open_calls = 0;           // calls some rank has not been through yet
+  int failed_calls = 0;         // of those, failed ones (a rank never joined them)
+  std::vector<uint64_t> calls;  // per rank: calls made since the communicator was made
 };
 CommStatus Status(int64_t comm_id, int32_t group);
 

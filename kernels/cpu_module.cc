@@ -38,20 +38,14 @@ NB_MODULE(_blink_cpu, m) {
         if (!s.exists) return nb::none();
         nb::dict d;
         d["configured"] = s.configured;
-        d["failed"] = s.failed;
         d["nranks"] = s.nranks;
         d["in_flight"] = s.in_flight;
-        d["acked"] = s.acked;
-        d["failure"] = s.failure;
-        nb::list seqs;
-        size_t start = 0;
-        while (start < s.seqs.size()) {
-          size_t end = s.seqs.find(',', start);
-          if (end == std::string::npos) end = s.seqs.size();
-          seqs.append(std::stoull(s.seqs.substr(start, end - start)));
-          start = end + 1;
-        }
-        d["seqs"] = seqs;
+        d["failures"] = s.failures;
+        d["open_calls"] = s.open_calls;
+        d["failed_calls"] = s.failed_calls;
+        nb::list calls;
+        for (uint64_t v : s.calls) calls.append(v);
+        d["calls"] = calls;
         return d;
       },
       nb::arg("comm_id"), nb::arg("group") = 0,

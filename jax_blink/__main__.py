@@ -142,7 +142,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(topo.describe() if hasattr(topo, "describe") else repr(topo))
     print()
     root = getattr(p, "root", None)
-    print(f"{args.collective} plan ({args.method}), root {root}: {len(p.trees)} tree(s)")
+    if root is None:
+        roots = sorted(set(getattr(p, "roots", ()) or ()))
+        where = f"roots {','.join(map(str, roots))}" if roots else "root chosen by the planner"
+    else:
+        where = f"root {root}"
+    print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s)")
     for i, (tree, w) in enumerate(p.trees):
         print(_format_tree(tree, w, i))
     bound = float(p.bound)
@@ -208,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as e:  # the library says what is wrong with a ValueError
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except SystemExit as e:  # --help
         return int(e.code or 0) if not isinstance(e.code, str) else 2
 

@@ -14,10 +14,11 @@ __all__ = ["draw_plan", "layout"]
 
 # A cube seen slightly from above: front face 0-3, back face 4-7, GPU i above i + 4. This is the
 # DGX-1 "hybrid cube-mesh" as NVIDIA draws it (the quads 0-3 and 4-7 fully linked inside, i <-> i+4).
-# The back face is shifted up and right, far enough that the diagonals of both quads stay readable.
+# The back face is shifted right past the front face (a steep oblique view), so that no GPU sits
+# on another pair's link and the diagonals of both quads stay readable.
 _CUBE = {
     0: (0.0, 1.0), 1: (1.0, 1.0), 2: (0.0, 0.0), 3: (1.0, 0.0),
-    4: (0.75, 1.75), 5: (1.95, 1.75), 6: (0.75, 0.55), 7: (1.95, 0.55),
+    4: (1.4, 1.55), 5: (2.4, 1.55), 6: (1.4, 0.55), 7: (2.4, 0.55),
 }
 
 _COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
@@ -106,9 +107,15 @@ def draw_plan(plan: Any, ax: Any = None, path: str | None = None, *, title: str 
         rad = 0.08 + 0.07 * (k // 2)
         rad = rad if k % 2 == 0 else -rad
         g = nx.DiGraph(tree)
-        nx.draw_networkx_edges(g, pos, ax=ax, edge_color=colour, width=1.8, arrows=True,
-                               arrowstyle="-|>", arrowsize=12, connectionstyle=f"arc3,rad={rad}",
-                               node_size=520, alpha=0.9)
+        # arc3 bends relative to the direction of travel: flip it for edges drawn "backwards" so
+        # that each tree keeps its own side of a link whichever way its edges point.
+        for sign, edges in ((1, [(u, v) for u, v in g.edges if u < v]),
+                            (-1, [(u, v) for u, v in g.edges if u > v])):
+            if edges:
+                nx.draw_networkx_edges(g, pos, edgelist=edges, ax=ax, edge_color=colour, width=1.8,
+                                       arrows=True, arrowstyle="-|>", arrowsize=12,
+                                       connectionstyle=f"arc3,rad={sign * rad}", node_size=520,
+                                       alpha=0.9)
         roots = [v for v in g.nodes if g.in_degree(v) == 0]
         r = roots[0] if roots else "?"
         handles.append(Line2D([0], [0], color=colour, lw=2, label=f"tree {i}: root {r}, {w:.4g} GB/s"))
@@ -124,10 +131,10 @@ def draw_plan(plan: Any, ax: Any = None, path: str | None = None, *, title: str 
 
     if title is None:
         ring = _ring_rate(plan)
-        ring_s = f", ring {ring:.4g}" if ring is not None else ""
+        ring_s = f"; NCCL rings {ring:.4g} GB/s" if ring is not None else ""
         rate, bound = float(plan.rate), float(getattr(plan, "bound", float("nan")))
         title = (f"{topo.name} {plan.collective}: {len(plan.trees)} tree(s)\n"
-                 f"rate {rate:.4g} GB/s, bound {bound:.4g}{ring_s}")
+                 f"rate {rate:.4g} GB/s (bound {bound:.4g}){ring_s}")
     ax.set_title(title, fontsize=10)
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_axis_off()

@@ -540,13 +540,17 @@ def _topology_from_nvml(
     try:
         handles: list[Any] = []
         by_bus: dict[str, int] = {}  # our GPUs: bus id -> position
-        all_gpu_buses = set()
+        all_gpus: dict[str, Any] = {}  # every GPU NVML sees: normalised bus id -> handle
         for i in range(nvml.nvmlDeviceGetCount()):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
-            all_gpu_buses.add(_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId))
+            all_gpus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = h
+        all_gpu_buses = set(all_gpus)
         for pos, loc in enumerate(locators):
             if loc.get("pci_bus_id"):
-                h = nvml.nvmlDeviceGetHandleByPciBusId(loc["pci_bus_id"])
+                bus = _norm_bus_id(loc["pci_bus_id"])
+                if bus not in all_gpus:
+                    raise ValueError(f"no GPU with PCI bus id {bus} in NVML: {sorted(all_gpus)}")
+                h = all_gpus[bus]
             else:
                 idx = _nvml_index_of_ordinal(int(loc["ordinal"]), visible)
                 h = (nvml.nvmlDeviceGetHandleByIndex(idx) if isinstance(idx, int)

@@ -334,6 +334,7 @@ struct Comm {
   uint32_t next_g = 0;
   int in_flight = 0;
   uint64_t failures = 0;
+  uint64_t in_place_calls = 0;  // calls whose operand aliased the result (donation)
 
 
   std::atomic<uint64_t>& word(int r, int t, int phase) {
@@ -742,6 +743,7 @@ ffi::Error Execute(int32_t device, ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer
     s.in.store(x.untyped_data(), std::memory_order_relaxed);
     s.out.store(out->untyped_data(), std::memory_order_relaxed);
     ++c.in_flight;
+    if (x.untyped_data() == out->untyped_data()) ++c.in_place_calls;
   }
 
   CallRec& rec = it->second;
@@ -806,6 +808,7 @@ CommStatus Status(int64_t comm_id, int32_t group) {
   s.nranks = comm->nranks;
   s.in_flight = comm->in_flight;
   s.failures = comm->failures;
+  s.in_place_calls = comm->in_place_calls;
   for (const auto& [key, rec] : comm->calls) {
     ++s.open_calls;
     if (rec.failed.load()) ++s.failed_calls;

@@ -31,6 +31,7 @@ struct CommStatus {
   int nranks = 0;
   int in_flight = 0;            // calls inside the handler now
   uint64_t failures = 0;        // calls that failed since the communicator was made
+  uint64_t in_place_calls = 0;  // calls whose operand was their result's buffer (donation)
   int open_calls = 0;           // calls some rank has not been through yet
   int failed_calls = 0;         // of those, failed ones (a rank never joined them)
   std::vector<uint64_t> calls;  // per rank: calls made since the communicator was made

@@ -41,6 +41,7 @@ NB_MODULE(_blink_cpu, m) {
         d["nranks"] = s.nranks;
         d["in_flight"] = s.in_flight;
         d["failures"] = s.failures;
+        d["in_place_calls"] = s.in_place_calls;
         d["open_calls"] = s.open_calls;
         d["failed_calls"] = s.failed_calls;
         nb::list calls;

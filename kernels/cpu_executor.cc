@@ -61,6 +61,16 @@
 // some rank never joins stay in the table until it grows past a bound, then are evicted oldest
 // first (a rank arriving for an evicted call waits for peers that are gone: a timeout, never a
 // hang). `_blink_cpu.reset()` drops every communicator when nothing runs.
+// Why RunId, against per-rank call counters (the first design): after a rank skipped a call its
+// counter stays one behind for ever, and no reset protocol can tell a skipped call from a late one
+// without knowing the launch, so counters either pair calls of different launches (silently wrong
+// under async dispatch) or need every rank to take part in a reset. Within one launch calls still
+// pair by count: a rank that skips call 1 of a loop but makes call 2 pairs it with the others'
+// call 1; their last call then times out, so that launch fails rather than returning.
+//
+// ## Binding
+// The brief's binding plus .Ctx<ffi::RunId>() after DeviceOrdinal: contexts are not operands or
+// attributes, so the Python lowering and the CUDA back end's call are unchanged.
 
 #include "cpu_executor.h"
 

@@ -445,16 +445,17 @@ def _column_generation(prob: _Problem, lp: _MasterLP, target: float, max_rounds:
 
 
 def _dive(prob: _Problem, lp: _MasterLP, z: float, x: Sequence[float], *, target: float,
-          pick: str = "weight") -> tuple[list[Column], list[float], int]:
+          pick: str = "weight", cg_rounds: int = 50) -> tuple[list[Column], list[float], int]:
     """Turn an optimal LP packing of rate ``z`` into few trees of total rate >= ``target``
     (a price-and-dive heuristic).
 
     Repeatedly take a column of the current LP solution (``pick="weight"``: the heaviest;
     ``"wide"``: the one with the widest residual bottleneck) and commit it at the largest weight
     the residual capacities allow (it saturates one of its links) if the rest can still reach the
-    remaining target; otherwise at its LP weight (which always leaves the rest feasible).
-    Commits are taken off the capacities and column generation re-optimises the residual
-    problem, adding columns to ``lp``. Returns (trees, weights, column generation rounds).
+    remaining target; otherwise at its LP weight (which always leaves the rest of the LP solution
+    feasible). Commits are taken off the capacities and the LP re-optimises the residual problem;
+    to test a full-weight commit, column generation (at most ``cg_rounds`` rounds) may add trees
+    to ``lp``. Returns (trees, weights, column generation rounds).
     """
     caps = list(lp.caps)
     res = list(caps)
@@ -477,15 +478,17 @@ def _dive(prob: _Problem, lp: _MasterLP, z: float, x: Sequence[float], *, target
         if full > xt * (1 + 1e-9):
             need = max(target - placed - full, 0.0)
             lp.set_caps([r - full if e in col else r for e, r in enumerate(res)])
-            z2, x2, r2 = _column_generation(prob, lp, z - placed - full)
-            rounds += r2
+            z2, x2, _ = lp.solve()  # the trees we have first; new ones only if they fall short
+            if z2 < need * (1 - 1e-9):
+                z2, x2, r2 = _column_generation(prob, lp, z - placed - full, max_rounds=cg_rounds)
+                rounds += r2
             if z2 >= need * (1 - 1e-9):
                 committed, x = full, x2
         if committed is None:
+            # at its LP weight the rest of the LP solution still fits: no new trees needed
             committed = min(xt, z - placed)
             lp.set_caps([r - committed if e in col else r for e, r in enumerate(res)])
-            _, x, r2 = _column_generation(prob, lp, z - placed - committed)
-            rounds += r2
+            _, x, _ = lp.solve()
         cset = set(col)
         res = [max(r - committed, 0.0) if e in cset else r for e, r in enumerate(res)]
         trees.append(col)
@@ -586,10 +589,11 @@ def _fewest_trees(caps: Sequence[float], cols: Sequence[Column], hint: Sequence[
     for e, ts in enumerate(by_res):
         if ts:
             m.Add(sum(xs[t] for t in ts) <= int(math.floor(caps[e] / unit + 1e-9)))
-    m.Add(sum(xs) >= int(math.ceil(IP_RATE_FRACTION * steps)))
+    hint_units = [int(math.floor(h / unit)) for h in hint]
+    # the hint's weights are rounded down to whole units: never ask for more than it carries
+    m.Add(sum(xs) >= min(int(math.ceil(IP_RATE_FRACTION * steps)), sum(hint_units)))
     m.Minimize((steps + 1) * sum(ys) - sum(xs))
-    for t in range(len(cols)):
-        hx = int(math.floor(hint[t] / unit))
+    for t, hx in enumerate(hint_units):
         m.AddHint(xs[t], hx)
         m.AddHint(ys[t], 1 if hx > 0 else 0)
     solver = cp_model.CpSolver()
@@ -632,8 +636,9 @@ def _pack(prob: _Problem, n: int, method: str) -> tuple[list[Column], list[float
         z, x, rounds = _column_generation(prob, lp, prob.bound)
         info.update(cg_rounds=rounds, lp_rate=z, lp_trees=sum(1 for v in x if v > 1e-9 * z))
         hint_sets = []
+        variants = (1.0, IP_RATE_FRACTION) if n <= 8 else (IP_RATE_FRACTION,)
         for pick in ("weight", "wide"):
-            for frac in (1.0, IP_RATE_FRACTION):
+            for frac in variants:
                 hint_sets.append(_dive(prob, lp, z, x, target=frac * z, pick=pick)[:2])
         info["columns"] = len(lp.cols)
     best_cols, best_w = min(hint_sets, key=lambda cw: (len(cw[0]), -sum(cw[1])))

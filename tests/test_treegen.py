@@ -1,0 +1,258 @@
+"""Tree packing: every plan certified against its independently computed bound."""
+import itertools
+import math
+import time
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jax_blink import treegen
+from jax_blink.topology import Topology
+from jax_blink.treegen import Plan, plan
+
+COLLECTIVES = ("broadcast", "reduce", "allreduce")
+
+
+def _certify(p: Plan, frac: float = 0.99) -> None:
+    """The plan is valid (spanning arborescences, loads within capacity) and near its bound."""
+    p.check()
+    assert p.rate >= frac * p.bound - 1e-9, (p.rate, p.bound)
+    assert p.rate <= p.bound * (1 + 1e-6) + 1e-9  # nothing beats the bound
+    assert len(p.roots) == p.num_trees
+    for tree, w in p.trees:
+        assert nx.is_frozen(tree) and w > 0
+
+
+# ---------------------------------------------------------------- building blocks
+@st.composite
+def digraphs(draw, min_n=2, max_n=7):
+    n = draw(st.integers(min_n, max_n))
+    edges = {}
+    for u in range(n):
+        for v in range(n):
+            if u != v and draw(st.booleans()):
+                edges[(u, v)] = draw(st.sampled_from([1.0, 2.0, 2.5, 5.0, 7.0, 10.0]))
+    return n, edges
+
+
+@settings(max_examples=60, deadline=None)
+@given(digraphs(), st.randoms(use_true_random=False))
+def test_min_arborescence_matches_networkx(graph, rnd):
+    n, caps = graph
+    edges = [(u, v, rnd.choice([0.0, 0.5, 1.0, 3.0, 7.5])) for (u, v) in caps]
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    for u, v, w in edges:
+        if v != 0:
+            g.add_edge(u, v, weight=w)
+    ours = treegen.min_arborescence(list(range(n)), 0, edges)
+    try:
+        ref = nx.minimum_spanning_arborescence(g, attr="weight")
+    except nx.NetworkXException:
+        ref = None
+    reach = nx.descendants(g, 0) | {0}
+    if len(reach) < n:
+        assert ours is None
+        return
+    assert ours is not None and ref is not None
+    tree = nx.DiGraph([(edges[i][0], edges[i][1]) for i in ours])
+    tree.add_nodes_from(range(n))
+    assert nx.is_arborescence(tree) and tree.in_degree(0) == 0
+    assert sum(edges[i][2] for i in ours) == pytest.approx(ref.size(weight="weight"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(digraphs(min_n=2, max_n=8))
+def test_partition_bound_exact_methods_agree(graph):
+    n, caps = graph
+    ucaps = {}
+    for (u, v), c in caps.items():
+        if u < v and (v, u) in caps:
+            ucaps[(u, v)] = min(c, caps[(v, u)])
+    ug = nx.Graph(list(ucaps))
+    ug.add_nodes_from(range(n))
+    if not nx.is_connected(ug):
+        return
+    enum, parts = treegen.partition_bound_enumerate(range(n), ucaps)
+    fast, fparts = treegen.partition_bound(range(n), ucaps, enumerate_up_to=0)
+    assert fast == pytest.approx(enum, rel=1e-9)
+    side = {v: i for i, p in enumerate(fparts) for v in p}
+    cross = sum(c for (a, b), c in ucaps.items() if side[a] != side[b])
+    assert cross / (len(fparts) - 1) == pytest.approx(fast)
+
+
+def test_partition_bound_16_nodes_full_mesh():
+    caps = {(u, v): 10.0 for u in range(16) for v in range(u + 1, 16)}
+    b, parts = treegen.partition_bound(range(16), caps)
+    assert b == pytest.approx(80.0)  # 120 pairs x 10 / 15
+
+
+# ---------------------------------------------------------------- the paper's machines
+def _connected_subsets(name):
+    t = Topology.preset(name)
+    for k in range(3, 9):
+        for ids in itertools.combinations(range(8), k):
+            s = t.subset(ids)
+            if s.is_connected():
+                yield s
+
+
+@pytest.mark.parametrize("name", ["dgx1v", "dgx1p"])
+def test_every_dgx1_allocation_reaches_bound(name):
+    treegen.clear_plan_cache()
+    count = 0
+    for s in _connected_subsets(name):
+        for c in COLLECTIVES:
+            _certify(plan(s, c))
+        count += 1
+    assert count >= 150
+
+
+def test_dgx1v_broadcast_150_with_at_most_6_trees():
+    treegen.clear_plan_cache()
+    p = plan(Topology.preset("dgx1v"), "broadcast", 0)
+    _certify(p, 1 - 1e-9)
+    assert p.bound == pytest.approx(150.0)
+    assert p.rate == pytest.approx(150.0)
+    assert p.num_trees <= 6
+    assert p.roots == (0,) * p.num_trees
+    assert "bind" in p.explain()
+
+
+def test_reduce_uses_reverse_capacities():
+    t = Topology.from_links({(0, 1): 10.0, (1, 0): 2.0, (1, 2): 4.0})
+    b = plan(t, "broadcast", 0)
+    r = plan(t, "reduce", 0)
+    assert b.rate == pytest.approx(4.0) and r.rate == pytest.approx(2.0)
+    _certify(b, 1 - 1e-9)
+    _certify(r, 1 - 1e-9)
+    assert r.link_loads()[(1, 0)] == pytest.approx(2.0)
+
+
+def test_allreduce_uses_both_directions():
+    t = Topology.from_links({(0, 1): 10.0, (1, 0): 3.0})
+    p = plan(t, "allreduce")
+    assert p.bound == pytest.approx(3.0) and p.rate == pytest.approx(3.0)
+    _certify(p)
+
+
+@pytest.mark.parametrize("topo", [Topology.preset("nvswitch:8"), Topology.preset("dgx2"), Topology.host(4),
+                                  Topology.preset("dgx1v").subset([0, 3]),
+                                  Topology.from_links({(0, 1): 10.0, (1, 0): 3.0, (0, 2): 5, (1, 2): 4})])
+def test_full_meshes_get_one_hop_stars_when_they_reach_the_bound(topo):
+    p = plan(topo, "allreduce")
+    _certify(p, 1 - 1e-9)
+    n = topo.n
+    uniform = len({topo.capacity(u, v) for u in topo.devices for v in topo.devices if u != v}) == 1
+    if uniform or n == 2:
+        assert p.num_trees == n and sorted(p.roots) == sorted(topo.devices)
+        for (tree, w), r in zip(p.trees, p.roots):
+            assert set(tree.edges) == {(r, v) for v in topo.devices if v != r}
+            assert w == pytest.approx(p.rate / n)
+        assert "stars" in p.explain()
+
+
+def test_allreduce_roots_spread_or_fixed():
+    t = Topology.preset("dgx1v").subset([0, 1, 2, 3, 4])
+    p = plan(t, "allreduce")
+    _certify(p)
+    share = {}
+    for (_, w), r in zip(p.trees, p.roots):
+        share[r] = share.get(r, 0) + w
+    assert set(share) == set(t.devices)
+    assert all(v == pytest.approx(p.rate / t.n) for v in share.values())
+    q = plan(t, "allreduce", root=2)
+    _certify(q)
+    assert set(q.roots) == {2} and q.root == 2
+    assert q.rate == pytest.approx(p.rate, rel=0.011)
+
+
+def test_mwu_is_close_to_exact():
+    t = Topology.preset("dgx1v")
+    for c in COLLECTIVES:
+        p = plan(t, c, method="mwu")
+        _certify(p, 0.97)
+        assert p.method == "mwu" and "multiplicative" in p.explain()
+
+
+# ---------------------------------------------------------------- random graphs
+@st.composite
+def topologies(draw):
+    n, caps = draw(digraphs(min_n=2, max_n=7))
+    for i in range(n - 1):  # a path both ways so that every collective can plan
+        caps.setdefault((i, i + 1), 1.0)
+        caps.setdefault((i + 1, i), 1.5)
+    return Topology.from_links(caps, devices=range(n))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topologies(), st.integers(0, 6))
+def test_random_graphs_reach_bound(t, r):
+    root = t.devices[r % t.n]
+    for c in COLLECTIVES:
+        p = plan(t, c, root)
+        _certify(p)
+        assert p.root == root
+    _certify(plan(t, "allreduce"))
+
+
+# ---------------------------------------------------------------- API behaviour
+def test_cache_returns_same_plan_and_own_topology():
+    t = Topology.preset("dgx1p").subset([0, 1, 2])
+    p = plan(t, "broadcast")
+    assert plan(t, "broadcast") is p
+    other = Topology.from_links({(0, 1): 20, (0, 2): 20, (1, 2): 20}, name="mine")
+    q = plan(other, "broadcast")
+    assert q.topology is other and q.trees is p.trees
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(collective="gather"), "collective"),
+    (dict(collective="broadcast", method="lp"), "method"),
+    (dict(collective="broadcast", root=9), "root"),
+    (dict(collective="allreduce", root="0"), "root"),
+])
+def test_bad_arguments(kwargs, match):
+    t = Topology.preset("dgx1v")
+    with pytest.raises(ValueError, match=match):
+        plan(t, **kwargs)
+
+
+@pytest.mark.parametrize("c", COLLECTIVES)
+def test_disconnected_subset_names_devices(c):
+    t = Topology.preset("dgx1v").subset([0, 5, 6])  # 0 has no NVLink to 5 or 6
+    with pytest.raises(ValueError, match=r"not connected.*pcie=True"):
+        plan(t, c)
+    _certify(plan(Topology.preset("dgx1v", pcie=True).subset([0, 5, 6]), c))
+
+
+def test_one_device():
+    p = plan(Topology.preset("dgx1v").subset([3]), "allreduce")
+    assert p.num_trees == 0 and math.isinf(p.rate) and p.efficiency == 1.0
+
+
+def test_repr_lists_trees():
+    p = plan(Topology.preset("dgx1v").subset([0, 1, 4]), "broadcast", 0)
+    text = repr(p)
+    assert text.count("tree ") == p.num_trees and "GB/s" in text and "->" in text
+    assert "Bound" in p.explain() and "Fewest trees" in p.explain()
+
+
+# ---------------------------------------------------------------- speed (looser than the benchmark)
+def test_plan_time():
+    treegen.clear_plan_cache()
+    plan(Topology.preset("dgx1p").subset([0, 1, 2]), "allreduce")  # solver imports warm
+    for name in ("dgx1v", "dgx1p"):
+        for c in COLLECTIVES:
+            treegen.clear_plan_cache()
+            t0 = time.perf_counter()
+            plan(Topology.preset(name), c)
+            assert time.perf_counter() - t0 < 2.0, (name, c)
+    big = Topology.from_links({(u, v): 10.0 + (u * v) % 7 for u in range(16) for v in range(16) if u != v})
+    for c in COLLECTIVES:
+        treegen.clear_plan_cache()
+        t0 = time.perf_counter()
+        _certify(plan(big, c))
+        assert time.perf_counter() - t0 < 20.0, c

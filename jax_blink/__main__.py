@@ -150,6 +150,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s)")
     for i, (tree, w) in enumerate(p.trees):
         print(_format_tree(tree, w, i))
+    if topo.n == 1:
+        print("one device: nothing to move")
+        return 0
     bound = float(p.bound)
     frac = f" ({100 * p.rate / bound:.1f}% of it)" if bound > 0 else ""
     print(f"rate {p.rate:.4g} GB/s; cut bound {bound:.4g} GB/s{frac}")

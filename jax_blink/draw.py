@@ -121,7 +121,7 @@ def draw_plan(plan: Any, ax: Any = None, path: str | None = None, *, title: str 
         handles.append(Line2D([0], [0], color=colour, lw=2, label=f"tree {i}: root {r}, {w:.4g} GB/s"))
     left = len(plan.trees) - len(trees)
     if left > 0:
-        handles.append(Line2D([0], [0], color="white", label=f"(+{left} lighter trees not drawn)"))
+        handles.append(Line2D([0], [0], color="white", label=f"(+{left} more trees, lighter or equal, not drawn)"))
 
     roots = {v for tree, _ in plan.trees for v in tree.nodes if tree.in_degree(v) == 0}
     nx.draw_networkx_nodes(s, pos, ax=ax, node_size=520,

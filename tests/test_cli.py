@@ -87,3 +87,12 @@ def test_subprocess_module(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_single_device_and_mwu(capsys):
+    assert main(["plan", "--topology", "dgx1v", "--devices", "0"]) == 0
+    assert "nothing to move" in capsys.readouterr().out
+    assert main(["plan", "--topology", "dgx1v", "--devices", "0,1,4", "--collective", "reduce",
+                 "--root", "4", "--method", "mwu", "--size", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "reduce plan (mwu), root 4" in out and "model at 67.1089 MB" in out

@@ -1,5 +1,19 @@
 """jax_blink: Blink-style collectives for JAX.
 
 Probe the links between the devices of a mesh axis, pack spanning trees into that graph with
-OR-Tools at trace time, and run them as an XLA custom call.
+OR-Tools at trace time, and run them as an XLA custom call::
+
+    out = jax_blink.all_reduce(x, "data")   # where you wrote lax.psum(x, "data")
 """
+from .collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast, check,
+                          explain, reduce, reduce_scatter)
+from .options import config
+from .topology import Topology
+from .treegen import Plan, plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "backends", "broadcast",
+    "check", "config", "explain", "plan", "reduce", "reduce_scatter",
+]

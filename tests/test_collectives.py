@@ -1,0 +1,295 @@
+"""The public collectives through the real executor of the platform, against jax.lax.
+
+On a machine without GPUs this is the CPU executor over 8 host devices (tests/conftest.py); on
+the GPU machine the same tests run over the GPUs when there are 2 or more.
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+
+DEVICES = jax.devices()
+N = len(DEVICES)
+pytestmark = pytest.mark.skipif(N < 2, reason="needs 2+ devices")
+
+TOL = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2, "float16": 2e-3, "int32": 0, "int64": 0}
+
+
+def _mesh(*shape_names):
+    shape = tuple(s for s, _ in shape_names)
+    names = tuple(n for _, n in shape_names)
+    return jax.make_mesh(shape, names, devices=DEVICES[: int(np.prod(shape))])
+
+
+def _random(rng, shape, dtype):
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return rng.integers(-1000, 1000, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _put(mesh, arr, spec):
+    return jax.device_put(jnp.asarray(arr), NamedSharding(mesh, spec))
+
+
+def _smap(fn, mesh, in_specs, out_specs, **kw):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw))
+
+
+def _assert_close(got, want, dtype, n):
+    tol = TOL[jnp.dtype(dtype).name]
+    got = np.asarray(jnp.asarray(got).astype(jnp.float64 if tol < 1e-6 else jnp.float32))
+    want = np.asarray(jnp.asarray(want).astype(got.dtype))
+    if tol == 0:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * n * 4)
+
+
+def _assert_same_on_every_rank(stacked):
+    a = np.asarray(stacked)
+    a = a.reshape(a.shape[0], -1)
+    for r in range(1, a.shape[0]):
+        np.testing.assert_array_equal(a[r].view(np.uint8), a[0].view(np.uint8))
+
+
+# --------------------------------------------------------------------------------------------
+# all_reduce
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16", "int32", "float64", "int64"]),
+       op=st.sampled_from(["sum", "max", "min"]), seed=st.integers(0, 2**31 - 1))
+def test_all_reduce_matches_lax(shape, dtype, op, seed):
+    if dtype in ("float64", "int64") and not jax.config.jax_enable_x64:
+        dtype = {"float64": "float32", "int64": "int32"}[dtype]
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(seed), (N,) + shape, dtype), P("x"))
+    lax_fn = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op]
+    ours = _smap(lambda v: jax_blink.all_reduce(v, "x", op=op), mesh, P("x"), P("x"))(x)
+    ref = _smap(lambda v: lax_fn(v, "x"), mesh, P("x"), P("x"))(x)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    _assert_close(ours, ref, dtype, N)
+    _assert_same_on_every_rank(ours)
+
+
+@pytest.mark.parametrize("count", [1, 3, 17, 1000, 65_537, 1 << 20])
+def test_all_reduce_sizes(count):
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(count), (N, count), "float32"), P("x"))
+    ours = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
+    want = np.asarray(x, np.float64).reshape(N, count).sum(0)
+    np.testing.assert_allclose(np.asarray(ours)[0], want, rtol=1e-5, atol=1e-4)
+    _assert_same_on_every_rank(ours)
+
+
+def test_all_reduce_replicated_output_type_matches_psum():
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(1), (N, 8), "float32"), P("x"))
+    # out_specs=P() needs a result that is invariant along "x", exactly like psum's.
+    out = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P())(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x).sum(0, keepdims=True), rtol=1e-5)
+
+
+def test_all_reduce_under_pmap():
+    x = _random(np.random.default_rng(2), (N, 5, 3), "float32")
+    ours = jax.pmap(lambda v: jax_blink.all_reduce(v, "i"), axis_name="i")(x)
+    ref = jax.pmap(lambda v: lax.psum(v, "i"), axis_name="i")(x)
+    _assert_close(ours, ref, "float32", N)
+
+
+@pytest.mark.skipif(N % 2, reason="needs an even device count")
+def test_all_reduce_on_one_axis_of_a_2d_mesh():
+    mesh = _mesh((2, "a"), (N // 2, "b"))
+    x = _put(mesh, _random(np.random.default_rng(3), (2, N // 2 * 4, 6), "float32"), P("a", "b"))
+    for axis in ("a", "b"):
+        ours = _smap(lambda v: jax_blink.all_reduce(v, axis), mesh, P("a", "b"), P("a", "b"))(x)
+        ref = _smap(lambda v: lax.psum(v, axis), mesh, P("a", "b"), P("a", "b"))(x)
+        _assert_close(ours, ref, "float32", N)
+    # A tuple of axes reduces over both, like lax.psum.
+    ours = _smap(lambda v: jax_blink.all_reduce(v, ("a", "b")), mesh, P("a", "b"), P("a", "b"))(x)
+    ref = _smap(lambda v: lax.psum(v, ("a", "b")), mesh, P("a", "b"), P("a", "b"))(x)
+    _assert_close(ours, ref, "float32", N)
+
+
+def test_two_independent_collectives_in_one_program():
+    mesh = _mesh((N, "x"))
+    rng = np.random.default_rng(4)
+    x = _put(mesh, _random(rng, (N, 100), "float32"), P("x"))
+    y = _put(mesh, _random(rng, (N, 33), "bfloat16"), P("x"))
+
+    def body(a, b):
+        return jax_blink.all_reduce(a, "x"), jax_blink.all_reduce(b, "x", op="max")
+
+    oa, ob = _smap(body, mesh, (P("x"), P("x")), (P("x"), P("x")))(x, y)
+    _assert_close(oa, _smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P("x"))(x), "float32", N)
+    _assert_close(ob, _smap(lambda v: lax.pmax(v, "x"), mesh, P("x"), P("x"))(y), "bfloat16", N)
+
+
+def test_many_calls_in_a_loop():
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(5), (N, 16), "float32"), P("x"))
+
+    def body(v):
+        # 1000 calls; the 1/N keeps the values bounded, so the result must equal the mean.
+        return lax.fori_loop(0, 1000, lambda i, a: jax_blink.all_reduce(a, "x") / N, v)
+
+    # check_vma=False: the loop carries a varying input into an invariant result (as with psum).
+    out = _smap(body, mesh, P("x"), P("x"), check_vma=False)(x)
+    want = np.asarray(x).mean(0)
+    np.testing.assert_allclose(np.asarray(out)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_equals_psum_gradient():
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(6), (N, 7), "float32"), P("x"))
+
+    def grads(ar):
+        return _smap(jax.grad(lambda v: jnp.sum(jnp.sin(ar(v, "x")) * v)), mesh, P("x"), P("x"))(x)
+
+    _assert_close(grads(jax_blink.all_reduce), grads(lax.psum), "float32", N)
+
+
+def test_explicit_dgx1v_topology_through_the_executor():
+    # Trees planned for a partial DGX-1V allocation (not one-hop stars) run on host devices.
+    topo = jax_blink.Topology.preset("dgx1v").subset([0, 1, 2, 3, 4, 5, 6, 7][:N])
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(7), (N, 4099), "float32"), P("x"))
+    for coll in ("allreduce",):
+        ours = _smap(lambda v: jax_blink.all_reduce(v, "x", topology=topo), mesh, P("x"), P("x"))(x)
+        _assert_close(ours, np.broadcast_to(np.asarray(x).sum(0), (N, 4099)), "float32", N)
+        _assert_same_on_every_rank(ours)
+
+
+# --------------------------------------------------------------------------------------------
+# broadcast, reduce, all_gather, reduce_scatter
+
+@pytest.mark.parametrize("root", [0, N - 1])
+def test_broadcast_and_reduce(root):
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(8 + root), (N, 3, 11), "float32"), P("x"))
+    host = np.asarray(x)
+    bc = np.asarray(_smap(lambda v: jax_blink.broadcast(v, "x", root=root), mesh, P("x"), P("x"))(x))
+    for r in range(N):
+        np.testing.assert_array_equal(bc[r], host[root])
+    red = np.asarray(_smap(lambda v: jax_blink.reduce(v, "x", root=root), mesh, P("x"), P("x"))(x))
+    np.testing.assert_allclose(red[root], host.sum(0), rtol=1e-5, atol=1e-5)
+    for r in range(N):
+        if r != root:
+            np.testing.assert_array_equal(red[r], host[r])
+
+
+@pytest.mark.parametrize("axis,tiled", [(0, False), (1, False), (0, True), (1, True)])
+def test_all_gather_matches_lax(axis, tiled):
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(9), (N * 2, 5), "int32"), P("x"))
+    ours = _smap(lambda v: jax_blink.all_gather(v, "x", axis=axis, tiled=tiled), mesh, P("x"), P("x"))(x)
+    ref = _smap(lambda v: lax.all_gather(v, "x", axis=axis, tiled=tiled), mesh, P("x"), P("x"))(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@pytest.mark.parametrize("dim,tiled", [(0, False), (1, True)])
+def test_reduce_scatter_matches_lax(dim, tiled):
+    mesh = _mesh((N, "x"))
+    shape = (N, N, 3) if not tiled else (N, 2 * N, 3)
+    x = _put(mesh, _random(np.random.default_rng(10), (N * shape[0],) + shape[1:], "float32"), P("x"))
+    f = lambda v: jax_blink.reduce_scatter(v, "x", scatter_dimension=dim, tiled=tiled)  # noqa: E731
+    g = lambda v: lax.psum_scatter(v, "x", scatter_dimension=dim, tiled=tiled)  # noqa: E731
+    _assert_close(_smap(f, mesh, P("x"), P("x"))(x), _smap(g, mesh, P("x"), P("x"))(x), "float32", N)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: clear errors at trace time.
+
+def test_bad_input_errors():
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, np.ones((N, 4), np.float32), P("x"))
+    b = _put(mesh, np.ones((N, 4), bool), P("x"))
+
+    def run(fn, arg=x):
+        return _smap(fn, mesh, P("x"), P("x"))(arg)
+
+    with pytest.raises(TypeError, match="dtype bool is not supported"):
+        run(lambda v: jax_blink.all_reduce(v, "x"), b)
+    with pytest.raises(ValueError, match="op 'prod' is not supported"):
+        run(lambda v: jax_blink.all_reduce(v, "x", op="prod"))
+    with pytest.raises(NameError, match="unknown axis 'y'"):
+        run(lambda v: jax_blink.all_reduce(v, "y"))
+    with pytest.raises(ValueError, match="root must be a rank"):
+        run(lambda v: jax_blink.broadcast(v, "x", root=N))
+    with pytest.raises(ValueError, match="has 3 devices"):
+        run(lambda v: jax_blink.all_reduce(v, "x", topology=jax_blink.Topology.host(3)))
+    with pytest.raises(ValueError, match="must be equal to the axis size"):
+        run(lambda v: jax_blink.reduce_scatter(v, "x"))
+
+
+# --------------------------------------------------------------------------------------------
+# Faults: a rank that does not take part ends in an error, not a hang.
+
+def test_a_rank_that_skips_the_collective_times_out():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the GPU version of this test lives in test_cuda.py")
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, np.arange(N * 4, dtype=np.float32).reshape(N, 4) + 1, P("x"))
+    old = jax_blink.config.timeout_s
+    jax_blink.config.timeout_s = 1.0
+    try:
+        def body(v):
+            skip = lax.axis_index("x") == N - 1
+            return lax.cond(skip, lambda a: a, lambda a: jax_blink.all_reduce(a, "x"), v)
+
+        f = _smap(body, mesh, P("x"), P("x"), check_vma=False)
+        result = {}
+
+        def target():
+            try:
+                f(x).block_until_ready()
+                result["error"] = None
+            except Exception as e:  # noqa: BLE001 (we check the message below)
+                result["error"] = e
+
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the mismatched collective hung instead of timing out"
+        err = result["error"]
+        assert err is not None, "a rank skipped the collective and no error was raised"
+        msg = str(err)
+        assert "waited" in msg and "tree" in msg and "chunk" in msg, msg
+    finally:
+        jax_blink.config.timeout_s = old
+    # The executor recovers: the next well-formed call works.
+    out = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
+    np.testing.assert_allclose(np.asarray(out)[0], np.asarray(x).sum(0))
+
+
+def test_input_is_not_overwritten():
+    mesh = _mesh((N, "x"))
+    host = _random(np.random.default_rng(11), (N, 257), "float32")
+    x = _put(mesh, host, P("x"))
+    _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(x), host)
+
+
+def test_explain_names_trees_and_chunks():
+    text = jax_blink.explain(jax_blink.Topology.preset("dgx1v").subset([0, 1, 4]), 1 << 20)
+    assert "tree 0" in text and "chunk" in text and "bound" in text
+
+
+def test_bf16_accumulates_in_float32():
+    # 8 ranks of 1 + tiny: a bf16 running sum would lose the tiny parts, float32 keeps them.
+    mesh = _mesh((N, "x"))
+    host = np.full((N, 64), 1.0, np.float32)
+    host[:, :] += np.linspace(0, 0.004, 64, dtype=np.float32)
+    x = _put(mesh, host.astype(ml_dtypes.bfloat16), P("x"))
+    ours = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
+    want = np.asarray(x).astype(np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(ours).astype(np.float64)[0], want, rtol=8e-3)

@@ -628,10 +628,14 @@ def _pack(prob: _Problem, n: int, method: str) -> tuple[list[Column], list[float
     lp = _MasterLP(prob.caps)
     if method == "mwu":
         z, cols, w, rounds = _mwu(prob, target=IP_RATE_FRACTION * prob.bound)
-        info.update(mwu_rounds=rounds, mwu_trees=len(cols), lp_rate=z)
+        info.update(mwu_rounds=rounds, mwu_trees=len(cols), mwu_rate=z)
         for c in cols:
             lp.add(c)
-        hint_sets = [(cols, w)]
+        # the same minimisation as the exact path, restricted to the trees MWU found
+        z, x, _ = lp.solve()
+        info.update(lp_rate=z, columns=len(cols))
+        hint_sets = [(cols, w)] + [_dive(prob, lp, z, x, target=IP_RATE_FRACTION * z, pick=pick,
+                                         cg_rounds=0)[:2] for pick in ("weight", "wide")]
     else:
         z, x, rounds = _column_generation(prob, lp, prob.bound)
         info.update(cg_rounds=rounds, lp_rate=z, lp_trees=sum(1 for v in x if v > 1e-9 * z))
@@ -775,7 +779,9 @@ class Plan:
             return "\n".join(out)
         if self.method == "mwu":
             out.append(f"Solver: multiplicative weights (Garg-Koenemann), {i.get('mwu_rounds')} rounds, "
-                       f"{i.get('mwu_trees')} distinct trees at {i.get('lp_rate', 0):.2f} GB/s; ")
+                       f"{i.get('mwu_trees')} distinct trees at {i.get('mwu_rate', 0):.2f} GB/s (an LP "
+                       f"over those trees: {i.get('lp_rate', 0):.2f} GB/s); dives gave "
+                       f"{i.get('dive_trees')} trees.")
         else:
             out.append(f"Solver: LP by column generation ({i.get('cg_rounds')} pricing rounds, "
                        f"minimum-weight {'spanning trees' if self.collective == 'allreduce' else 'arborescences'}), "
@@ -784,13 +790,15 @@ class Plan:
         out.append(f"Fewest trees: integer program over {i.get('columns', i.get('mwu_trees'))} candidate "
                    f"trees at >= {100 * IP_RATE_FRACTION:.0f}% of the LP rate ({i.get('ip_status')}; "
                    f"no fewer than {i.get('tree_lower_bound')} trees can carry it, as no tree is "
-                   f"wider than its narrowest link). Kept {self.num_trees}.")
+                   f"wider than its narrowest link). Kept {i.get('solver_trees', self.num_trees)}.")
         if self.collective == "allreduce":
             if self.root is None:
                 out.append(
                     "Roots: a tree's link use does not depend on its root, so one root would reach the "
-                    f"same rate; the weights are split so that each device roots {self.rate / t.n:.2f} "
-                    "GB/s (1/n of the data), which spreads the final reductions over all devices.")
+                    f"same rate; the weights of the {i.get('solver_trees')} trees are split into "
+                    f"{self.num_trees} (tree, root) pieces so that each device roots "
+                    f"{self.rate / t.n:.2f} GB/s (1/n of the data), which spreads the final "
+                    "reductions over all devices.")
             else:
                 out.append(f"Roots: all trees rooted at {self.root}, as asked; the rate does not depend on it.")
         out.append(f"Planned in {i.get('solve_s', 0):.3f} s.")
@@ -954,6 +962,7 @@ def _plan_allreduce(topology: Topology, g: nx.DiGraph, root: int | None, method:
     prob, pairs = _spanning_problem(devs, ucaps, bound)
     cols, weights, pinfo = _pack(prob, n, method)
     info.update(pinfo)
+    info["solver_trees"] = len(cols)
     if root is None:
         pieces = _split_roots(devs, cols, weights)
     else:

@@ -36,8 +36,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _ensure_host_devices() -> None:
     """Ask XLA for several CPU host devices if JAX has not started yet and nobody asked already."""
+    # `python -m jax_blink` has imported jax already (the package imports it), but XLA reads its
+    # flags only when the first backend starts: that is what must not have happened yet.
     if "jax" in sys.modules:
-        return
+        try:
+            from jax._src import xla_bridge
+            if xla_bridge.backends_are_initialized():
+                return
+        except (ImportError, AttributeError):
+            return
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={_N_HOST_DEVICES}").strip()
@@ -179,6 +186,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.size, args.dtype, args.plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -197,12 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--plot", default=None, metavar="PNG", help="draw the trees to this file")
     pp.set_defaults(func=cmd_plan)
 
-    # ---------------------------------------------------------------- demo subcommand goes here
-    # The lead adds `demo` (jax_blink.all_reduce against lax.psum on the devices here):
-    #     pd = sub.add_parser("demo", help="...")
-    #     pd.add_argument(...)
-    #     pd.set_defaults(func=cmd_demo)   # cmd_demo(args) -> int, like cmd_plan
-    # ------------------------------------------------------------------------------------------
+    pd = sub.add_parser("demo", help="run jax_blink.all_reduce against lax.psum on the devices here")
+    pd.add_argument("--size", type=int, default=1 << 20, help="elements per device (default 1048576)")
+    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"])
+    pd.add_argument("--plot", default=None, metavar="PNG", help="draw the all-reduce trees to this file")
+    pd.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -96,3 +96,12 @@ def test_single_device_and_mwu(capsys):
                  "--root", "4", "--method", "mwu", "--size", "64MiB"]) == 0
     out = capsys.readouterr().out
     assert "reduce plan (mwu), root 4" in out and "model at 67.1089 MB" in out
+
+
+def test_demo_runs_all_reduce_against_psum(tmp_path, capsys):
+    png = tmp_path / "demo.png"
+    assert main(["demo", "--size", "1000", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "results agree with lax.psum" in out
+    assert "jax_blink.all_reduce" in out and "lax.psum" in out
+    assert png.stat().st_size > 0

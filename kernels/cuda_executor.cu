@@ -1,0 +1,1097 @@
+// CUDA back end of "jax_blink_collective": see cuda_executor.h and program.h.
+//
+// ## Shape
+// One process drives several GPUs. A *communicator* per ordered device set enables peer access
+// once per pair, loads every kernel on every device (before any kernel can wait on a peer: lazy
+// loading on one GPU while a kernel spins on another has deadlocked others) and fixes the grid G.
+// A *site* is one lowered call site (comm_id) on a communicator: per rank one block of device
+// memory on that rank's GPU holding its call counters, its inbox of flags, its pointer table and
+// its read-only plan. Nothing is staged: peers' buffers are read in place over peer access.
+//
+// ## One call of rank r = one kernel launch (no host sync, no host rendezvous)
+// The executor splits every tree's segment into *pieces* (units; <= the program's chunk, enough of
+// them to fill the grid), interleaved across trees; unit u is played by block u % G on EVERY
+// rank (the same mapping everywhere). Block b keeps its own call counter k (blk_seq[b] + 1,
+// stored back at its end: graph replays stay right, no host state per call). Block 0 first
+// publishes r's (in, out) pointers into every peer's pointer table, then a release flag = k.
+// Each block then runs three passes over its units:
+//   reduce pass   (tree has reduce): a leaf does nothing (its parent reads its `in` in place; in
+//                 a reduce-only tree it copies in->out locally); otherwise wait for each non-leaf
+//                 child's reduce flag, out = in op child_0 op child_1 ... (children ascending,
+//                 reading a leaf child's `in` and others' `out`), then signal the parent (reduce);
+//                 a root with a broadcast phase signals its children (broadcast: final now); in a
+//                 reduce-only tree also signal the children (reduce: "done reading you").
+//   broadcast pass (tree has broadcast, rank is not the root): wait for the parent's broadcast
+//                 flag (none when the parent is the root of a broadcast-only tree: its `in` is
+//                 read in place), out = parent's buffer, signal children (data) and parent ("done").
+//                 The root of a broadcast-only tree copies in->out locally.
+//   exit pass     a rank returns only when nobody reads its buffers any more: with a broadcast
+//                 phase, wait for every child's broadcast flag (the parent's reads of this rank
+//                 are over before the parent broadcast, which this rank waited for); in a
+//                 reduce-only tree, wait for the parent's reduce flag.
+// Elements outside every segment get out = in (local copy, spread over the grid).
+//
+// ## Flags and memory order (device_sync.cuh)
+// A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
+// waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
+// call number k (32-bit, only grows: a flag of call k-1 never satisfies a wait of call k).
+// Producer: all threads store; __syncthreads(); thread 0 st.release.sys flag. Consumer: thread 0
+// ld.acquire.sys until == k; __syncthreads(); all threads load (peer data with ld.global.cg).
+// Seeing a flag PAST k means the producer ran more calls of this site than this rank: the
+// protocol rules that out between ranks running the same calls (a producer never finishes call
+// k before this rank signalled it in call k: see the exit pass), so it is reported as a mismatch.
+// The same argument makes a single pointer slot per peer safe: a block reads a peer's pointers
+// (after its flag == k) only when it reads that peer's data, and then the peer cannot finish
+// call k, nor publish call k+1, before this block signalled it.
+//
+// ## Why it cannot deadlock
+// (1) Residency: within one launch no block waits on another block of its own grid, and the grid
+// (G blocks, one per SM by default, launch_bounds(512, 1)) is checked to be resident at once on
+// every device (N ranks sharing one GPU need N * G resident; set-up checks it). So every block
+// of every rank runs to its waits. (2) Order: block b of every rank runs the same steps in the
+// same order: (pass, unit) for the units u = b mod G. A reduce step (R, u) waits only for the
+// children's (R, u) (leaf children: for nothing but their pointers, which block 0 publishes before
+// any wait); a broadcast step (B, u) waits only for the parent's (B, u) (the root's (B, u) is
+// done within its (R, u)); exit waits wait for steps of earlier passes. Take a blocked wait on the
+// smallest step key K: its producer's block b is not past K, runs its steps in order and every
+// earlier step of it completes (minimality), so it waits at K itself; within a key the waits
+// follow tree edges in one direction (down for R, up for B), and trees are acyclic (validated by
+// program.h), so the chain ends at a leaf (R) or the root (B), which do not wait: contradiction.
+// Different sites are independent; if they ran in different orders on different devices, the
+// time budget ends it.
+//
+// ## Failures
+// Every wait has a budget (timeout_ms, %globaltimer, renewed after each completed wait). Past it
+// the block writes an abort marker (its call number) into every peer's `abort_` word, claims the
+// device's error slot (device-memory CAS: the first failure on a device wins) and fills the
+// device's error record in host-mapped pinned memory (device, rank, peer, tree, chunk, phase,
+// call), then stops. Waiters poll the producer's abort marker and their device's claim, so a
+// failure cascades in microseconds instead of each rank waiting out its own budget. Failures are
+// sticky: every later kernel on a failed device exits at once (and marks its peers aborted), the
+// handler refuses calls on it with the recorded message, and ResetAll() (cuda_module's reset())
+// clears everything once nothing runs. A rank that skipped a call: its peers time out (record),
+// then its next call sees their abort markers and fails too.
+
+#include "cuda_executor.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "device_sync.cuh"
+#include "program.h"
+
+namespace jax_blink::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+constexpr int kMaxRanks = 64;
+constexpr int kMaxDevices = 64;
+constexpr int64_t kMaxUnits = 1 << 16;
+constexpr int64_t kMaxPieceBytes = 4 << 20;
+constexpr int kNumOps = 3;
+
+// Error kinds (ErrorRecord::kind).
+constexpr int kErrTimeout = 1, kErrAhead = 2, kErrAborted = 3;
+// Where a wait was (ErrorRecord::phase).
+constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3;
+
+// Per device, in host-mapped pinned memory: written by the first failing kernel, read by the host.
+struct ErrorRecord {
+  volatile int32_t ready;
+  int32_t kind, device, rank, nranks, peer, tree, phase;
+  int64_t chunk, elem_offset, comm_id, timeout_ms;
+  uint32_t seq, observed;
+};
+
+struct Unit {
+  int64_t off;   // first element
+  int32_t len;   // elements
+  int32_t tree;
+};
+
+struct TreeRank {  // tree t as rank r sees it
+  int64_t seg_offset;
+  int32_t parent;          // -1: root
+  int32_t phases;
+  int32_t kid_begin, kid_count;  // into kids[]: rank | (is_leaf << 16), ascending rank
+  int32_t leaf;            // no children
+  int32_t read_parent_in;  // parent is the root of a broadcast-only tree: read its `in`
+};
+
+struct Params {
+  uint8_t* site;  // this rank's site block
+  const void* in;
+  void* out;
+  uint64_t timeout_ns;
+  uint32_t* dev_claim;  // device memory: nonzero once a kernel on this device failed
+  ErrorRecord* rec;     // host-mapped
+  int64_t comm_id;
+  int64_t chunk_elems;
+  int64_t timeout_ms;
+  uint32_t off_blk_seq, off_ptr_flag, off_abort, off_ptr_in, off_ptr_out, off_inbox;
+  uint32_t off_units, off_trees, off_kids, off_gaps, off_peer_base;
+  int32_t rank, nranks, nunits, ngaps, device, grid;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element types (storage S, accumulator A) and ops.
+
+struct EF32 { using S = float; using A = float;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct EF64 { using S = double; using A = double;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct ES32 { using S = int32_t; using A = int32_t;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct ES64 { using S = int64_t; using A = int64_t;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct EBF16 { using S = uint16_t; using A = float;
+  __device__ static A load(S v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+  __device__ static S store(A a) {  // round to nearest even, NaN stays quiet NaN (as ml_dtypes)
+    uint32_t u = __float_as_uint(a);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<S>((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<S>(u >> 16);
+  } };
+struct EF16 { using S = uint16_t; using A = float;
+  __device__ static A load(S v) { return __half2float(__ushort_as_half(v)); }
+  __device__ static S store(A a) { return __half_as_ushort(__float2half_rn(a)); } };
+
+// numpy's semantics, as the CPU executor: NaN propagates, ties keep the first operand.
+struct OpSum { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else { return a + b; } } };
+struct OpMax { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_floating_point_v<A>) return (a >= b || a != a) ? a : b;
+  else return a >= b ? a : b; } };
+struct OpMin { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_floating_point_v<A>) return (a <= b || a != a) ? a : b;
+  else return a <= b ? a : b; } };
+
+// Scalar load that bypasses L1 (peer data).
+template <class S>
+__device__ __forceinline__ S ldcg_scalar(const S* p) {
+  if constexpr (sizeof(S) == 8) {
+    long long v = __ldcg(reinterpret_cast<const long long*>(p));
+    S s; memcpy(&s, &v, 8); return s;
+  } else if constexpr (sizeof(S) == 4) {
+    int v = __ldcg(reinterpret_cast<const int*>(p));
+    S s; memcpy(&s, &v, 4); return s;
+  } else {
+    unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    S s; memcpy(&s, &v, 2); return s;
+  }
+}
+
+template <class S>
+struct Vec {
+  static constexpr int N = 16 / sizeof(S);
+  S v[N];
+};
+template <class S>
+__device__ __forceinline__ Vec<S> as_vec(uint4 u) { Vec<S> r; memcpy(&r, &u, 16); return r; }
+template <class S>
+__device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v, 16); return u; }
+
+// out[i] = in[i] op srcs[0][i] op srcs[1][i] ... for i < len (block-wide). 16-byte vectors when
+// every pointer is 16-byte aligned, scalar tail; fully scalar otherwise. out may alias in.
+template <class E, class Op>
+__device__ void reduce_range(typename E::S* out, const typename E::S* in,
+                             const typename E::S* const* srcs, int nk, int64_t len) {
+  using S = typename E::S;
+  using A = typename E::A;
+  constexpr int V = Vec<S>::N;
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(in);
+  for (int j = 0; j < nk; ++j) bits |= reinterpret_cast<uintptr_t>(srcs[j]);
+  const int64_t nvec = (bits & 15u) == 0 ? len / V : 0;
+  const uint4* in4 = reinterpret_cast<const uint4*>(in);
+  uint4* out4 = reinterpret_cast<uint4*>(out);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
+    A acc[kUnroll][V];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) {
+        Vec<S> x = as_vec<S>(in4[j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[r][e] = E::load(x.v[e]);
+      }
+    }
+    for (int k = 0; k < nk; ++k) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k]);
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) raw[r] = __ldcg(s4 + j);
+      }
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) {
+          Vec<S> x = as_vec<S>(raw[r]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[r][e] = Op::apply(acc[r][e], E::load(x.v[e]));
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) {
+        Vec<S> x;
+#pragma unroll
+        for (int e = 0; e < V; ++e) x.v[e] = E::store(acc[r][e]);
+        out4[j] = as_u4<S>(x);
+      }
+    }
+  }
+  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) {
+    A a = E::load(in[i]);
+    for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar(srcs[k] + i)));
+    out[i] = E::store(a);
+  }
+}
+
+// dst[i] = src[i] for i < len (block-wide); kPeer: src is a peer's buffer (ld.global.cg).
+template <class S, bool kPeer>
+__device__ void copy_range(S* dst, const S* src, int64_t len) {
+  constexpr int V = 16 / sizeof(S);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0;
+  const int64_t nvec = aligned ? len / V : 0;
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) raw[r] = kPeer ? __ldcg(s4 + j) : s4[j];
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) d4[j] = raw[r];
+    }
+  }
+  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads)
+    dst[i] = kPeer ? ldcg_scalar(src + i) : src[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel.
+
+struct Shared {
+  uint32_t k;       // this call's number
+  int fail;         // set by thread 0 when this block stops
+  uint64_t have;    // peers whose pointers this block holds
+  uint64_t deadline;
+  const uint8_t* pin[kMaxRanks];
+  uint8_t* pout[kMaxRanks];
+  uint8_t* peer_base[kMaxRanks];
+  const void* src[kMaxRanks];  // sources of the current step
+};
+
+__device__ __forceinline__ uint32_t* inbox_at(const Params& p, uint8_t* base, int src, int phase, int u) {
+  return reinterpret_cast<uint32_t*>(base + p.off_inbox) +
+         (static_cast<int64_t>(src) * 2 + phase) * p.nunits + u;
+}
+
+// Thread 0: this rank gives up call k. Abort markers first (peers waiting on it stop at once),
+// then the device's error record if this is the device's first failure.
+__device__ void fail_call(const Params& p, Shared& sh, int kind, int peer, int tree, int64_t elem_off,
+                          int at, uint32_t observed) {
+  sh.fail = 1;
+  for (int dst = 0; dst < p.nranks; ++dst)
+    if (dst != p.rank)
+      sync::st_relaxed_sys(reinterpret_cast<uint32_t*>(sh.peer_base[dst] + p.off_abort) + p.rank,
+                           sh.k == 0 ? 1u : sh.k);
+  __threadfence_system();
+  if (kind == 0) return;  // the device was stopped by an earlier failure: it holds the record
+  if (atomicCAS(p.dev_claim, 0u, 1u) != 0u) return;
+  ErrorRecord* r = p.rec;
+  const TreeRank* trees = reinterpret_cast<const TreeRank*>(p.site + p.off_trees);
+  r->kind = kind;
+  r->device = p.device;
+  r->rank = p.rank;
+  r->nranks = p.nranks;
+  r->peer = peer;
+  r->tree = tree;
+  r->phase = at;
+  r->elem_offset = elem_off;
+  r->chunk = (tree >= 0 && p.chunk_elems > 0) ? (elem_off - trees[tree].seg_offset) / p.chunk_elems : -1;
+  r->comm_id = p.comm_id;
+  r->timeout_ms = p.timeout_ms;
+  r->seq = sh.k;
+  r->observed = observed;
+  __threadfence_system();
+  r->ready = 1;
+  __threadfence_system();
+}
+
+// Thread 0: wait until `flag` == k. Returns false (after fail_call) when the call must stop.
+__device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int src, int tree,
+                         int64_t elem_off, int at) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  uint32_t observed = 0;
+  const int st = sync::wait_flag(flag, sh.k, sh.deadline, abort_word, p.dev_claim, &observed);
+  if (st == sync::kWaitOk) {
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;  // the budget is per wait
+    return true;
+  }
+  int kind = 0;
+  if (st == sync::kWaitTimeout) kind = kErrTimeout;
+  else if (st == sync::kWaitAhead) kind = kErrAhead;
+  else if (st == sync::kWaitAborted) { kind = kErrAborted; observed = sync::ld_relaxed_sys(abort_word); }
+  fail_call(p, sh, kind, src, tree, elem_off, at, observed);  // kWaitStopped: kind 0
+  return false;
+}
+
+// Thread 0: make `src`'s pointers of this call available in sh.pin / sh.pout.
+__device__ bool get_pointers(const Params& p, Shared& sh, int src, int tree, int64_t elem_off) {
+  if ((sh.have >> src) & 1u) return true;
+  const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.site + p.off_ptr_flag) + src;
+  if (!wait_for(p, sh, flag, src, tree, elem_off, kAtPointers)) return false;
+  sh.pin[src] = reinterpret_cast<const uint8_t*>(
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_in) + src));
+  sh.pout[src] = reinterpret_cast<uint8_t*>(
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_out) + src));
+  sh.have |= uint64_t{1} << src;
+  return true;
+}
+
+__device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int phase, int u) {
+  sync::st_release_sys(inbox_at(p, sh.peer_base[dst], p.rank, phase, u), sh.k);
+}
+
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p) {
+  using S = typename E::S;
+  __shared__ Shared sh;
+  const int tid = threadIdx.x;
+  const int b = blockIdx.x;
+  const int n = p.nranks, me = p.rank;
+  uint32_t* blk_seq = reinterpret_cast<uint32_t*>(p.site + p.off_blk_seq);
+  const Unit* units = reinterpret_cast<const Unit*>(p.site + p.off_units);
+  const TreeRank* trees = reinterpret_cast<const TreeRank*>(p.site + p.off_trees);
+  const int32_t* kids = reinterpret_cast<const int32_t*>(p.site + p.off_kids);
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  for (int i = tid; i < n; i += kThreads) sh.peer_base[i] = reinterpret_cast<uint8_t*>(peer_base[i]);
+  if (tid == 0) {
+    sh.have = 0;
+    sh.k = blk_seq[b] + 1;
+    sh.fail = sync::ld_relaxed_sys(p.dev_claim) != 0u;
+  }
+  __syncthreads();
+  if (sh.fail) {  // the device is stopped: tell the peers, do nothing, keep the counter
+    if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    return;
+  }
+  const S* in = static_cast<const S*>(p.in);
+  S* out = static_cast<S*>(p.out);
+  const bool alias = p.in == p.out;
+  if (tid == 0) {
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+    if (b == 0) {  // publish this call's pointers into every peer's table, then the flag
+      for (int dst = 0; dst < n; ++dst) {
+        if (dst == me) continue;
+        uint8_t* base = sh.peer_base[dst];
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + me,
+                                 reinterpret_cast<uint64_t>(p.in));
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + me,
+                                 reinterpret_cast<uint64_t>(p.out));
+        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + me, sh.k);
+      }
+    }
+  }
+
+  // Elements outside every segment: out = in, each gap split over the grid.
+  if (!alias) {
+    const int64_t* gaps = reinterpret_cast<const int64_t*>(p.site + p.off_gaps);
+    for (int g = 0; g < p.ngaps; ++g) {
+      const int64_t off = gaps[2 * g], len = gaps[2 * g + 1];
+      const int64_t per = ((len + p.grid - 1) / p.grid + 7) & ~int64_t{7};
+      const int64_t lo = per * b < len ? per * b : len;
+      const int64_t hi = lo + per < len ? lo + per : len;
+      if (hi > lo) copy_range<S, false>(out + off + lo, in + off + lo, hi - lo);
+    }
+  }
+
+  // Reduce pass.
+  for (int u = b; u < p.nunits; u += p.grid) {
+    const Unit un = units[u];
+    const TreeRank tr = trees[un.tree];
+    if (!(tr.phases & kPhaseReduce)) continue;
+    if (tr.leaf) {  // the parent reads `in` in place
+      if (!(tr.phases & kPhaseBroadcast) && !alias) copy_range<S, false>(out + un.off, in + un.off, un.len);
+      continue;
+    }
+    if (tid == 0) {
+      for (int i = 0; i < tr.kid_count; ++i) {
+        const int kid = kids[tr.kid_begin + i] & 0xffff;
+        const bool kid_leaf = (kids[tr.kid_begin + i] >> 16) != 0;
+        if (!get_pointers(p, sh, kid, un.tree, un.off)) break;
+        if (!kid_leaf && !wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce))
+          break;
+        sh.src[i] = (kid_leaf ? sh.pin[kid] : sh.pout[kid]) + un.off * sizeof(S);
+      }
+    }
+    __syncthreads();
+    if (sh.fail) goto done;
+    reduce_range<E, Op>(out + un.off, in + un.off, reinterpret_cast<const S* const*>(sh.src),
+                        tr.kid_count, un.len);
+    __syncthreads();  // every thread's stores (and its reads of sh.src) before the release
+    if (tid == 0) {
+      if (tr.parent >= 0) signal(p, sh, tr.parent, 0, u);
+      const int phase_to_kids = (tr.phases & kPhaseBroadcast) ? (tr.parent < 0 ? 1 : -1) : 0;
+      if (phase_to_kids >= 0)
+        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, phase_to_kids, u);
+    }
+  }
+
+  // Broadcast pass.
+  for (int u = b; u < p.nunits; u += p.grid) {
+    const Unit un = units[u];
+    const TreeRank tr = trees[un.tree];
+    if (!(tr.phases & kPhaseBroadcast)) continue;
+    if (tr.parent < 0) {  // root: final already (reduce), or out = in (children read `in`)
+      if (!(tr.phases & kPhaseReduce) && !alias) copy_range<S, false>(out + un.off, in + un.off, un.len);
+      continue;
+    }
+    if (tid == 0) {
+      if (get_pointers(p, sh, tr.parent, un.tree, un.off) &&
+          (tr.read_parent_in ||
+           wait_for(p, sh, inbox_at(p, p.site, tr.parent, 1, u), tr.parent, un.tree, un.off, kAtBroadcast)))
+        sh.src[0] = (tr.read_parent_in ? sh.pin[tr.parent] : sh.pout[tr.parent]) + un.off * sizeof(S);
+    }
+    __syncthreads();
+    if (sh.fail) goto done;
+    copy_range<S, true>(out + un.off, static_cast<const S*>(sh.src[0]), un.len);
+    __syncthreads();
+    if (tid == 0) {
+      for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 1, u);
+      signal(p, sh, tr.parent, 1, u);  // "done reading you"
+    }
+  }
+
+  // Exit pass (thread 0): nobody reads this rank's buffers any more.
+  if (tid == 0) {
+    for (int u = b; u < p.nunits && !sh.fail; u += p.grid) {
+      const Unit un = units[u];
+      const TreeRank tr = trees[un.tree];
+      if (tr.phases & kPhaseBroadcast) {
+        for (int i = 0; i < tr.kid_count; ++i) {
+          const int kid = kids[tr.kid_begin + i] & 0xffff;
+          if (!wait_for(p, sh, inbox_at(p, p.site, kid, 1, u), kid, un.tree, un.off, kAtExit)) break;
+        }
+      } else if (tr.parent >= 0) {
+        wait_for(p, sh, inbox_at(p, p.site, tr.parent, 0, u), tr.parent, un.tree, un.off, kAtExit);
+      }
+    }
+  }
+done:
+  if (tid == 0) blk_seq[b] = sh.k;  // the next kernel on this stream sees it (stream order)
+}
+
+using KernelFn = void (*)(const Params);
+
+template <class E>
+constexpr KernelFn kernel_for_op(int op) {
+  return op == 0 ? &collective_kernel<E, OpSum> : op == 1 ? &collective_kernel<E, OpMax>
+                                                          : &collective_kernel<E, OpMin>;
+}
+
+KernelFn KernelFor(DType d, int op) {
+  switch (d) {
+    case DType::kF32: return kernel_for_op<EF32>(op);
+    case DType::kF64: return kernel_for_op<EF64>(op);
+    case DType::kBF16: return kernel_for_op<EBF16>(op);
+    case DType::kF16: return kernel_for_op<EF16>(op);
+    case DType::kS32: return kernel_for_op<ES32>(op);
+    case DType::kS64: return kernel_for_op<ES64>(op);
+  }
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host state.
+
+std::string CudaErr(const char* what, cudaError_t e) {
+  return std::string("jax_blink CUDA executor: ") + what + ": " + cudaGetErrorName(e) + " (" +
+         cudaGetErrorString(e) + ")";
+}
+
+#define JB_TRY(what, expr)                         \
+  do {                                             \
+    cudaError_t e_ = (expr);                       \
+    if (e_ != cudaSuccess) return CudaErr(what, e_); \
+  } while (0)
+
+struct DeviceGuard {  // restores the calling thread's current device
+  int saved = -1;
+  DeviceGuard() { cudaGetDevice(&saved); }
+  ~DeviceGuard() { if (saved >= 0) cudaSetDevice(saved); }
+};
+
+struct DeviceState {
+  int device = -1;
+  ErrorRecord* rec = nullptr;     // host pointer (mapped)
+  ErrorRecord* rec_dev = nullptr; // its device pointer
+  uint32_t* claim = nullptr;      // device memory
+  cudaStream_t stream = nullptr;  // set-up work
+  int sms = 0, occupancy = 0;     // multiprocessors, resident blocks of our kernels per SM
+};
+
+struct Comm {
+  std::vector<int> devices;
+  int blocks = 0;
+  std::vector<Site*> sites;
+};
+
+}  // namespace
+
+struct Site {
+  Comm* comm = nullptr;
+  int rank = 0, nranks = 0, device = 0, esize = 0, grid = 1;
+  int64_t total = 0, units = 0;
+  std::vector<int32_t> words;
+  std::atomic<const int32_t*> last_ptr{nullptr};
+  Params params{};
+  uint8_t* mem = nullptr;
+  size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
+};
+
+namespace {
+
+std::mutex g_mu;
+std::atomic<DeviceState*> g_dev[kMaxDevices];
+std::map<std::pair<std::vector<int>, int>, std::unique_ptr<Comm>> g_comms;  // (devices, blocks)
+std::vector<std::unique_ptr<Site>> g_sites;
+std::map<std::pair<int64_t, int>, Site*> g_site_by_dev;  // (comm_id, device)
+
+struct Pending {
+  std::vector<int32_t> words;
+  int nranks = 0;
+  std::vector<int> devices;  // -1: not joined yet
+  int joined = 0;
+  bool done = false;
+  std::string error;
+  std::vector<Site*> sites;
+  std::condition_variable cv;
+};
+std::map<std::pair<int64_t, int32_t>, std::shared_ptr<Pending>> g_pending;  // (comm_id, group)
+
+std::string EnsureDeviceLocked(int d, DeviceState** out) {
+  if (d < 0 || d >= kMaxDevices) return "jax_blink CUDA executor: device ordinal " + std::to_string(d) + " out of range";
+  if (DeviceState* s = g_dev[d].load()) { *out = s; return {}; }
+  auto s = std::make_unique<DeviceState>();
+  s->device = d;
+  JB_TRY("cudaSetDevice", cudaSetDevice(d));
+  JB_TRY("cudaDeviceGetAttribute", cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, d));
+  // Load every kernel on this device now, before any kernel of ours can wait on a peer.
+  int occ = 1 << 30;
+  for (int dt = 0; dt < kNumDTypes; ++dt)
+    for (int op = 0; op < kNumOps; ++op) {
+      KernelFn fn = KernelFor(static_cast<DType>(dt), op);
+      cudaFuncAttributes attr;
+      JB_TRY("loading kernels (cudaFuncGetAttributes)", cudaFuncGetAttributes(&attr, fn));
+      int nb = 0;
+      JB_TRY("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, kThreads, 0));
+      occ = std::min(occ, nb);
+    }
+  if (occ < 1) return "jax_blink CUDA executor: the collective kernel cannot be resident on device " + std::to_string(d);
+  s->occupancy = occ;
+  void* h = nullptr;
+  JB_TRY("cudaHostAlloc (error record)", cudaHostAlloc(&h, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(h, 0, sizeof(ErrorRecord));
+  s->rec = static_cast<ErrorRecord*>(h);
+  void* hd = nullptr;
+  JB_TRY("cudaHostGetDevicePointer", cudaHostGetDevicePointer(&hd, h, 0));
+  s->rec_dev = static_cast<ErrorRecord*>(hd);
+  JB_TRY("cudaMalloc (claim)", cudaMalloc(&s->claim, 256));
+  JB_TRY("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+  JB_TRY("cudaMemsetAsync", cudaMemsetAsync(s->claim, 0, 256, s->stream));
+  JB_TRY("cudaStreamSynchronize", cudaStreamSynchronize(s->stream));
+  *out = s.get();
+  g_dev[d].store(s.release());
+  return {};
+}
+
+std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, Comm** out) {
+  int blocks = opt.blocks;
+  if (blocks <= 0) {
+    if (const char* env = std::getenv("JAX_BLINK_CUDA_BLOCKS")) blocks = std::atoi(env);
+  }
+  auto key = std::make_pair(devices, std::max(blocks, 0));
+  auto it = g_comms.find(key);
+  if (it != g_comms.end()) { *out = it->second.get(); return {}; }
+  DeviceGuard guard;
+  std::map<int, int> ranks_on;
+  int min_sms = 1 << 30;
+  for (int d : devices) {
+    DeviceState* ds;
+    std::string err = EnsureDeviceLocked(d, &ds);
+    if (!err.empty()) return err;
+    ++ranks_on[d];
+    min_sms = std::min(min_sms, ds->sms);
+  }
+  // Peer access, once per ordered pair of distinct devices.
+  for (auto& [a, na] : ranks_on)
+    for (auto& [b, nb] : ranks_on) {
+      if (a == b) continue;
+      int can = 0;
+      JB_TRY("cudaDeviceCanAccessPeer", cudaDeviceCanAccessPeer(&can, a, b));
+      if (!can)
+        return "jax_blink CUDA executor: GPU " + std::to_string(a) + " cannot access GPU " + std::to_string(b) +
+               " as a peer (no NVLink/PCIe peer path): this executor needs peer access between all GPUs of a collective";
+      JB_TRY("cudaSetDevice", cudaSetDevice(a));
+      cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();  // clear the sticky error
+      else if (e != cudaSuccess) return CudaErr("cudaDeviceEnablePeerAccess", e);
+    }
+  if (blocks <= 0) blocks = min_sms;
+  for (auto& [d, nr] : ranks_on) {
+    DeviceState* ds = g_dev[d].load();
+    if (static_cast<int64_t>(nr) * blocks > static_cast<int64_t>(ds->sms) * ds->occupancy)
+      return "jax_blink CUDA executor: " + std::to_string(nr) + " ranks of " + std::to_string(blocks) +
+             " blocks each on GPU " + std::to_string(d) + " cannot all be resident (" +
+             std::to_string(ds->sms * ds->occupancy) + " blocks fit): use fewer blocks (Options.blocks / JAX_BLINK_CUDA_BLOCKS)";
+  }
+  auto c = std::make_unique<Comm>();
+  c->devices = devices;
+  c->blocks = blocks;
+  *out = c.get();
+  g_comms[key] = std::move(c);
+  return {};
+}
+
+size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
+                             const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
+  Program prog;
+  std::string perr = prog.Decode(program, len);
+  if (!perr.empty()) return "jax_blink CUDA executor: bad schedule program: " + perr;
+  const int n = prog.nranks();
+  if (n != static_cast<int>(devices.size()))
+    return "jax_blink CUDA executor: the program has " + std::to_string(n) + " ranks but " +
+           std::to_string(devices.size()) + " devices were given";
+  if (n > kMaxRanks) return "jax_blink CUDA executor: at most " + std::to_string(kMaxRanks) + " ranks";
+  if (esize != 2 && esize != 4 && esize != 8) return "jax_blink CUDA executor: element size must be 2, 4 or 8";
+  Comm* comm;
+  std::string err = GetCommLocked(devices, opt, &comm);
+  if (!err.empty()) return err;
+  DeviceGuard guard;
+  const int G = comm->blocks;
+  const int ntrees = prog.ntrees();
+
+  // Pieces: U = m * G units (m rounds per block) of at most the program's chunk, no smaller than
+  // min_piece_bytes, each tree a share proportional to its segment, interleaved across trees.
+  const int64_t align = std::max(1, 16 / esize);
+  const int64_t min_piece = std::max<int64_t>(16, opt.min_piece_bytes);
+  const int64_t piece_max = std::clamp<int64_t>(prog.chunk_elems() * esize, min_piece, std::max(min_piece, kMaxPieceBytes));
+  std::vector<int> live;
+  int64_t total_seg = 0;
+  for (int t = 0; t < ntrees; ++t)
+    if (prog.tree(t).seg_len > 0) { live.push_back(t); total_seg += prog.tree(t).seg_len; }
+  std::vector<int64_t> pieces(ntrees, 0);
+  if (!live.empty()) {
+    const int64_t bytes = total_seg * esize;
+    const int64_t m = (bytes + static_cast<int64_t>(G) * piece_max - 1) / (static_cast<int64_t>(G) * piece_max);
+    int64_t U = std::min<int64_t>(m * G, (bytes + min_piece - 1) / min_piece);
+    U = std::min<int64_t>(std::max<int64_t>(U, live.size()), kMaxUnits);
+    // Largest remainders, every live tree >= 1 piece, no tree more pieces than aligned atoms.
+    int64_t given = 0;
+    std::vector<std::pair<double, int>> rem;
+    for (int t : live) {
+      const double ideal = static_cast<double>(U) * prog.tree(t).seg_len / total_seg;
+      const int64_t atoms = (prog.tree(t).seg_len + align - 1) / align;
+      pieces[t] = std::min<int64_t>(atoms, std::max<int64_t>(1, static_cast<int64_t>(ideal)));
+      given += pieces[t];
+      rem.push_back({ideal - static_cast<double>(pieces[t]), t});
+    }
+    std::sort(rem.begin(), rem.end(), [](auto& a, auto& b) { return a.first > b.first; });
+    for (size_t i = 0; given < U && i < rem.size(); ++i) {
+      const int t = rem[i].second;
+      if (pieces[t] < (prog.tree(t).seg_len + align - 1) / align) { ++pieces[t]; ++given; }
+    }
+  }
+  std::vector<Unit> units;
+  int64_t max_pieces = 0;
+  for (int t : live) max_pieces = std::max(max_pieces, pieces[t]);
+  for (int64_t i = 0; i < max_pieces; ++i)
+    for (int t : live) {
+      if (i >= pieces[t]) continue;
+      const TreeView& tv = prog.tree(t);
+      const int64_t atoms = (tv.seg_len + align - 1) / align;
+      const int64_t lo = std::min(tv.seg_len, i * atoms / pieces[t] * align);
+      const int64_t hi = std::min(tv.seg_len, (i + 1) * atoms / pieces[t] * align);
+      if (hi > lo) units.push_back(Unit{tv.seg_offset + lo, static_cast<int32_t>(hi - lo), t});
+    }
+  const int U = static_cast<int>(units.size());
+  std::vector<int64_t> gaps;
+  {
+    int64_t at = 0;
+    for (int t : prog.trees_by_offset()) {
+      const TreeView& tv = prog.tree(t);
+      if (tv.seg_offset > at) { gaps.push_back(at); gaps.push_back(tv.seg_offset - at); }
+      at = tv.seg_offset + tv.seg_len;
+    }
+    if (prog.total_elems() > at) { gaps.push_back(at); gaps.push_back(prog.total_elems() - at); }
+  }
+
+  // Layout (the same on every rank).
+  Params base{};
+  size_t off = 0;
+  auto take = [&](size_t bytes, size_t al) { off = AlignUp(off, al); size_t o = off; off += bytes; return static_cast<uint32_t>(o); };
+  base.off_blk_seq = take(4u * G, 16);
+  base.off_ptr_flag = take(4u * n, 16);
+  base.off_abort = take(4u * n, 16);
+  base.off_ptr_in = take(8u * n, 16);
+  base.off_ptr_out = take(8u * n, 16);
+  base.off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
+  const size_t dyn = AlignUp(off, 128);
+  off = dyn;
+  base.off_units = take(sizeof(Unit) * std::max(U, 1), 16);
+  base.off_trees = take(sizeof(TreeRank) * std::max(ntrees, 1), 16);
+  base.off_kids = take(4ull * std::max(ntrees * n, 1), 16);
+  base.off_gaps = take(8ull * std::max<size_t>(gaps.size(), 2), 16);
+  base.off_peer_base = take(8ull * n, 16);
+  const size_t bytes = AlignUp(off, 256);
+  if (bytes > 0xffffffffull) return "jax_blink CUDA executor: site state too large";
+  base.nranks = n;
+  base.nunits = U;
+  base.ngaps = static_cast<int32_t>(gaps.size() / 2);
+  base.chunk_elems = prog.chunk_elems();
+  base.comm_id = comm_id;
+  base.grid = std::max(1, std::min(G, U));
+
+  std::vector<uint8_t*> mem(n, nullptr);
+  auto free_all = [&] { for (int r = 0; r < n; ++r) if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); } };
+  for (int r = 0; r < n; ++r) {
+    cudaSetDevice(devices[r]);
+    cudaError_t e = cudaMalloc(&mem[r], bytes);
+    if (e != cudaSuccess) { free_all(); return CudaErr("cudaMalloc (site state)", e); }
+  }
+  // Per-rank plan, host side, then copied once.
+  std::vector<std::vector<uint8_t>> plans(n);
+  for (int r = 0; r < n; ++r) {
+    std::vector<uint8_t>& h = plans[r];
+    h.assign(bytes - dyn, 0);
+    auto at = [&](uint32_t o) { return h.data() + (o - dyn); };
+    if (U > 0) std::memcpy(at(base.off_units), units.data(), sizeof(Unit) * U);
+    std::vector<TreeRank> trs(ntrees);
+    std::vector<int32_t> kid_list;
+    for (int t = 0; t < ntrees; ++t) {
+      const TreeView& tv = prog.tree(t);
+      TreeRank& tr = trs[t];
+      tr.seg_offset = tv.seg_offset;
+      tr.parent = tv.parent[r];
+      tr.phases = tv.phases;
+      tr.kid_begin = static_cast<int32_t>(kid_list.size());
+      for (int c : prog.children(t, r)) kid_list.push_back(c | ((prog.children(t, c).empty() ? 1 : 0) << 16));
+      tr.kid_count = static_cast<int32_t>(kid_list.size()) - tr.kid_begin;
+      tr.leaf = tr.kid_count == 0;
+      tr.read_parent_in = tr.parent >= 0 && tr.parent == tv.root && !(tv.phases & kPhaseReduce);
+    }
+    if (ntrees > 0) std::memcpy(at(base.off_trees), trs.data(), sizeof(TreeRank) * ntrees);
+    if (!kid_list.empty()) std::memcpy(at(base.off_kids), kid_list.data(), 4 * kid_list.size());
+    if (!gaps.empty()) std::memcpy(at(base.off_gaps), gaps.data(), 8 * gaps.size());
+    std::vector<uint64_t> pb(n);
+    for (int q = 0; q < n; ++q) pb[q] = reinterpret_cast<uint64_t>(mem[q]);
+    std::memcpy(at(base.off_peer_base), pb.data(), 8 * n);
+  }
+  for (int r = 0; r < n; ++r) {
+    DeviceState* ds = g_dev[devices[r]].load();
+    cudaSetDevice(devices[r]);
+    cudaError_t e = cudaMemsetAsync(mem[r], 0, dyn, ds->stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(mem[r] + dyn, plans[r].data(), bytes - dyn, cudaMemcpyHostToDevice, ds->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(ds->stream);
+    if (e != cudaSuccess) { free_all(); return CudaErr("initialising site state", e); }
+  }
+  sites->assign(n, nullptr);
+  for (int r = 0; r < n; ++r) {
+    auto s = std::make_unique<Site>();
+    DeviceState* ds = g_dev[devices[r]].load();
+    s->comm = comm;
+    s->rank = r;
+    s->nranks = n;
+    s->device = devices[r];
+    s->esize = esize;
+    s->grid = base.grid;
+    s->total = prog.total_elems();
+    s->units = U;
+    s->words.assign(program, program + len);
+    s->mem = mem[r];
+    s->mem_bytes = bytes;
+    s->dyn_bytes = dyn;
+    s->params = base;
+    s->params.site = mem[r];
+    s->params.rank = r;
+    s->params.device = devices[r];
+    s->params.dev_claim = ds->claim;
+    s->params.rec = ds->rec_dev;
+    (*sites)[r] = s.get();
+    comm->sites.push_back(s.get());
+    g_sites.push_back(std::move(s));
+  }
+  return {};
+}
+
+std::string Describe(const ErrorRecord& r) {
+  static const char* kAt[] = {"waiting for its buffer pointers", "reduce", "broadcast",
+                              "exit: waiting for it to finish reading this rank's buffers"};
+  const char* at = (r.phase >= 0 && r.phase < 4) ? kAt[r.phase] : "?";
+  std::string where = "tree " + std::to_string(r.tree) + ", chunk " + std::to_string(r.chunk) +
+                      " (element " + std::to_string(r.elem_offset) + ", " + at + ")";
+  std::string who = "jax_blink CUDA executor: GPU " + std::to_string(r.device) + ", rank " + std::to_string(r.rank) +
+                    " of " + std::to_string(r.nranks) + ", collective " + std::to_string(r.comm_id) +
+                    ", call #" + std::to_string(r.seq) + ": ";
+  std::string what;
+  if (r.kind == kErrTimeout)
+    what = "timed out after " + std::to_string(r.timeout_ms) + " ms waiting for rank " + std::to_string(r.peer) +
+           " in " + where + "; its flag is at call #" + std::to_string(r.observed) +
+           ". A rank did not join this collective (skipped under lax.cond?) or a peer is stuck.";
+  else if (r.kind == kErrAhead)
+    what = "rank " + std::to_string(r.peer) + " is already at call #" + std::to_string(r.observed) +
+           " in " + where + ": the ranks ran different numbers of calls of this collective.";
+  else if (r.kind == kErrAborted)
+    what = "rank " + std::to_string(r.peer) + " gave up (at its call #" + std::to_string(r.observed) +
+           ") while this rank waited for it in " + where + "; see the error of rank " + std::to_string(r.peer) + "'s GPU.";
+  else
+    what = "failed (kind " + std::to_string(r.kind) + ") in " + where + ".";
+  return who + what + " Every collective on this GPU now fails until jax_blink._blink_cuda.reset() (call it when nothing runs).";
+}
+
+}  // namespace
+
+int DTypeSize(DType d) {
+  switch (d) {
+    case DType::kF32: case DType::kS32: return 4;
+    case DType::kF64: case DType::kS64: return 8;
+    case DType::kBF16: case DType::kF16: return 2;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType d) {
+  switch (d) {
+    case DType::kF32: return "float32";
+    case DType::kF64: return "float64";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kS32: return "int32";
+    case DType::kS64: return "int64";
+  }
+  return "?";
+}
+
+std::string CreateSite(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
+                       const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
+  std::lock_guard<std::mutex> g(g_mu);
+  return CreateSiteLocked(devices, program, len, esize, opt, comm_id, sites);
+}
+
+Site* FindSite(int64_t comm_id, int device) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_site_by_dev.find({comm_id, device});
+  return it == g_site_by_dev.end() ? nullptr : it->second;
+}
+
+std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const int32_t* program,
+                     int64_t len, int esize, int64_t timeout_ms, Site** site) {
+  auto who = [&] {
+    return "jax_blink CUDA executor: rank " + std::to_string(rank) + " (GPU " + std::to_string(device) +
+           ", group " + std::to_string(group) + ") of collective " + std::to_string(comm_id) + ": ";
+  };
+  if (len < kHeaderLen) return who() + "bad schedule program (shorter than its header)";
+  const int n = program[1];
+  if (n < 1 || n > kMaxRanks) return who() + "bad rank count " + std::to_string(n) + " in the program";
+  if (rank < 0 || rank >= n) return who() + "rank is outside the program's " + std::to_string(n) + " ranks";
+  std::unique_lock<std::mutex> lk(g_mu);
+  auto& slot = g_pending[{comm_id, group}];
+  if (!slot) {
+    slot = std::make_shared<Pending>();
+    slot->words.assign(program, program + len);
+    slot->nranks = n;
+    slot->devices.assign(n, -1);
+  }
+  std::shared_ptr<Pending> pd = slot;
+  if (pd->done) {
+    if (!pd->error.empty()) return pd->error;
+    if (pd->devices[rank] != device)
+      return who() + "rank already taken by GPU " + std::to_string(pd->devices[rank]);
+    *site = pd->sites[rank];
+    return {};
+  }
+  if (pd->words.size() != static_cast<size_t>(len) || !std::equal(program, program + len, pd->words.begin()))
+    return who() + "its schedule program differs from its peers' (every rank must run the same call)";
+  if (pd->devices[rank] != -1)
+    return who() + "rank already joined from GPU " + std::to_string(pd->devices[rank]);
+  pd->devices[rank] = device;
+  ++pd->joined;
+  if (pd->joined == pd->nranks) {
+    std::vector<Site*> sites;
+    Options opt;
+    pd->error = CreateSiteLocked(pd->devices, pd->words.data(), static_cast<int64_t>(pd->words.size()), esize,
+                                 opt, comm_id, &sites);
+    if (pd->error.empty()) {
+      pd->sites = sites;
+      for (int r = 0; r < n; ++r) g_site_by_dev[{comm_id, pd->devices[r]}] = sites[r];
+    } else {
+      pd->error = who() + pd->error;
+    }
+    pd->done = true;
+    pd->cv.notify_all();
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 1));
+    if (!pd->cv.wait_until(lk, deadline, [&] { return pd->done; })) {
+      std::string missing;
+      for (int r = 0; r < n; ++r)
+        if (pd->devices[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      pd->devices[rank] = -1;  // leave, so that a later attempt can join again
+      --pd->joined;
+      return who() + "waited " + std::to_string(timeout_ms) + " ms at set-up for ranks " + missing +
+             " to join (a rank did not run this collective?)";
+    }
+  }
+  if (!pd->error.empty()) return pd->error;
+  *site = pd->sites[rank];
+  return {};
+}
+
+int SiteRank(const Site* s) { return s->rank; }
+int SiteEsize(const Site* s) { return s->esize; }
+int64_t SiteTotalElems(const Site* s) { return s->total; }
+int64_t SiteUnits(const Site* s) { return s->units; }
+int SiteGrid(const Site* s) { return s->grid; }
+
+bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len) {
+  if (static_cast<size_t>(len) != s->words.size()) return false;
+  if (s->last_ptr.load(std::memory_order_relaxed) == program) return true;
+  if (!std::equal(program, program + len, s->words.begin())) return false;
+  s->last_ptr.store(program, std::memory_order_relaxed);
+  return true;
+}
+
+std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,
+                   int64_t timeout_ms) {
+  if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
+  KernelFn fn = KernelFor(dtype, op);
+  if (fn == nullptr) return "jax_blink CUDA executor: unsupported dtype";
+  Params p = s->params;
+  p.in = in;
+  p.out = out;
+  if (timeout_ms <= 0) timeout_ms = 10000;
+  p.timeout_ms = timeout_ms;
+  p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  int cur = -1;
+  cudaGetDevice(&cur);
+  if (cur != s->device) cudaSetDevice(s->device);
+  void* args[] = {&p};
+  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid), dim3(kThreads), args, 0, stream);
+  if (e != cudaSuccess) return CudaErr("launching the collective kernel", e);
+  return {};
+}
+
+std::string DeviceError(int device) {
+  if (device < 0 || device >= kMaxDevices) return {};
+  DeviceState* ds = g_dev[device].load(std::memory_order_acquire);
+  if (ds == nullptr || ds->rec->ready == 0) return {};
+  std::atomic_thread_fence(std::memory_order_acquire);
+  ErrorRecord copy;
+  std::memcpy(&copy, const_cast<const ErrorRecord*>(ds->rec), sizeof copy);
+  return Describe(copy);
+}
+
+std::string CheckAll() {
+  std::string all;
+  for (int d = 0; d < kMaxDevices; ++d) {
+    std::string e = DeviceError(d);
+    if (!e.empty()) all += (all.empty() ? "" : "\n") + e;
+  }
+  return all;
+}
+
+std::string ResetAll() {
+  std::lock_guard<std::mutex> g(g_mu);
+  DeviceGuard guard;
+  for (int d = 0; d < kMaxDevices; ++d)
+    if (g_dev[d].load()) {
+      JB_TRY("cudaSetDevice", cudaSetDevice(d));
+      JB_TRY("cudaDeviceSynchronize (reset)", cudaDeviceSynchronize());
+    }
+  for (auto& s : g_sites) {
+    DeviceState* ds = g_dev[s->device].load();
+    JB_TRY("cudaSetDevice", cudaSetDevice(s->device));
+    JB_TRY("cudaMemsetAsync (reset)", cudaMemsetAsync(s->mem, 0, s->dyn_bytes, ds->stream));
+  }
+  for (int d = 0; d < kMaxDevices; ++d)
+    if (DeviceState* ds = g_dev[d].load()) {
+      JB_TRY("cudaSetDevice", cudaSetDevice(d));
+      JB_TRY("cudaMemsetAsync (reset)", cudaMemsetAsync(ds->claim, 0, 256, ds->stream));
+      JB_TRY("cudaStreamSynchronize (reset)", cudaStreamSynchronize(ds->stream));
+      std::memset(const_cast<ErrorRecord*>(ds->rec), 0, sizeof(ErrorRecord));
+    }
+  return {};
+}
+
+void ReleaseAll() {
+  std::lock_guard<std::mutex> g(g_mu);
+  DeviceGuard guard;
+  for (int d = 0; d < kMaxDevices; ++d)
+    if (g_dev[d].load()) { cudaSetDevice(d); cudaDeviceSynchronize(); }
+  for (auto& s : g_sites) { cudaSetDevice(s->device); cudaFree(s->mem); }
+  g_sites.clear();
+  g_site_by_dev.clear();
+  g_pending.clear();
+  g_comms.clear();
+  for (int d = 0; d < kMaxDevices; ++d)
+    if (DeviceState* ds = g_dev[d].exchange(nullptr)) {
+      cudaSetDevice(d);
+      cudaFree(ds->claim);
+      cudaStreamDestroy(ds->stream);
+      cudaFreeHost(ds->rec);
+      delete ds;
+    }
+}
+
+std::vector<CommInfo> Comms() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::vector<CommInfo> out;
+  for (auto& [key, c] : g_comms) {
+    CommInfo info;
+    info.devices = c->devices;
+    info.blocks = c->blocks;
+    info.num_sites = static_cast<int>(c->sites.size());
+    std::map<int, int64_t> per_dev;
+    for (Site* s : c->sites) {
+      per_dev[s->device] += static_cast<int64_t>(s->mem_bytes);
+    }
+    for (auto& [d, b] : per_dev) info.control_bytes = std::max(info.control_bytes, b);
+    out.push_back(info);
+  }
+  return out;
+}
+
+const char* Version() { return "jax_blink CUDA executor 0.1.0 (program format v1, in-place peer reads)"; }
+
+}  // namespace jax_blink::cuda

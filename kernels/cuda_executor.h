@@ -1,0 +1,91 @@
+// CUDA back end of "jax_blink_collective": communicator set-up, the kernels and their launch.
+// No XLA headers here: the FFI handler (cuda_module.cc) is a thin layer over this, and the
+// standalone self-test (cuda_selftest.cu) drives it directly. See cuda_executor.cu for the
+// protocol, the memory-ordering and the deadlock-freedom arguments.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jax_blink::cuda {
+
+enum class DType : int32_t { kF32 = 0, kF64 = 1, kBF16 = 2, kF16 = 3, kS32 = 4, kS64 = 5 };
+constexpr int kNumDTypes = 6;
+int DTypeSize(DType d);
+const char* DTypeName(DType d);
+
+struct Options {
+  // Blocks per rank (the grid; the same on every rank of a communicator). 0: the smallest SM
+  // count of the communicator's devices, or JAX_BLINK_CUDA_BLOCKS from the environment. Ranks
+  // that share one GPU (the self-test's N streams of one device) need N * blocks resident at once,
+  // which set-up checks.
+  int blocks = 0;
+  // The executor splits each tree's segment into pieces (its unit of work and of flags), at most
+  // the program's chunk (clamped to [min_piece_bytes, 4 MiB]) and at least min_piece_bytes, so
+  // that small operands still spread over the grid and large ones pipeline.
+  int64_t min_piece_bytes = 8192;
+};
+
+// One call site's state for one rank: opaque. Lives until Release().
+struct Site;
+
+// Creates a call site for all ranks at once (self-test; no rendezvous): devices[r] is rank r's
+// CUDA device (repeats allowed: ranks as streams of one GPU). `comm_id` only names it in errors.
+// On success returns "" and sets (*sites)[r]. Makes (or reuses) the communicator of the ordered
+// device set: peer access, kernels loaded on every device, per-device error records.
+std::string CreateSite(const std::vector<int>& devices, const int32_t* program, int64_t len,
+                       int esize, const Options& opt, int64_t comm_id, std::vector<Site*>* sites);
+
+// FFI path: rank `rank` on `device` joins call site (comm_id, group); blocks on the host until
+// every rank of the program has joined (or `timeout_ms` passed), then all share one Site set.
+// Later calls find the site with FindSite without any rendezvous.
+std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const int32_t* program,
+                     int64_t len, int esize, int64_t timeout_ms, Site** site);
+Site* FindSite(int64_t comm_id, int device);  // nullptr when this device has not joined yet
+
+// What a call must match (the handler checks these on its fast path).
+int SiteRank(const Site* s);
+int SiteEsize(const Site* s);
+int64_t SiteTotalElems(const Site* s);
+// True when (program, len) equals the site's program (fast when the pointer repeats).
+bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len);
+
+// One call of one rank: ONE kernel launch on `stream`, no host synchronisation, no allocation.
+// `in` may equal `out`. Returns "" or a launch error. The kernel's own failures (time-outs,
+// mismatches) are recorded on the device and reported by DeviceError / CheckAll.
+std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out,
+                   cudaStream_t stream, int64_t timeout_ms);
+
+// Non-empty when a kernel on `device` recorded a failure (a host read of pinned memory; cheap).
+// Failures are sticky: every later kernel on that device exits at once, until ResetAll().
+std::string DeviceError(int device);
+// Every device's recorded failure, joined by newlines ("" when none).
+std::string CheckAll();
+// Waits for every device that has communicator state (cudaDeviceSynchronize: in-flight kernels
+// end at the latest when their time budget runs out), then zeroes every call counter, flag,
+// abort marker and error record: every site starts again at call #1 on every rank. Call it only
+// while no collective is being launched.
+std::string ResetAll();
+// Frees everything (at exit). Sites handed out before are invalid afterwards.
+void ReleaseAll();
+
+struct CommInfo {
+  std::vector<int> devices;
+  int blocks = 0;
+  int64_t staging_bytes = 0;  // per device; 0: peers' buffers are read in place
+  int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
+  int num_sites = 0;
+};
+std::vector<CommInfo> Comms();
+
+// Elements per piece and number of pieces of a site (tests, benchmark notes).
+int64_t SiteUnits(const Site* s);
+int SiteGrid(const Site* s);
+
+const char* Version();
+
+}  // namespace jax_blink::cuda

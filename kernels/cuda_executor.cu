@@ -351,7 +351,10 @@ __device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int 
                          int64_t elem_off, int at) {
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
   uint32_t observed = 0;
-  const int st = sync::wait_flag(flag, sh.k, sh.deadline, abort_word, p.dev_claim, &observed);
+  int st = sync::wait_flag(flag, sh.k, sh.deadline, abort_word, p.dev_claim, &observed);
+  // A producer that gave up may have published this flag (or its pointers) before it did: its
+  // buffers are not to be trusted once its kernel has left. Checked after every wait (local).
+  if (st == sync::kWaitOk && sync::ld_relaxed_sys(abort_word) != 0u) st = sync::kWaitAborted;
   if (st == sync::kWaitOk) {
     sh.deadline = sync::globaltimer_ns() + p.timeout_ns;  // the budget is per wait
     return true;
@@ -439,8 +442,9 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
     const Unit un = units[u];
     const TreeRank tr = trees[un.tree];
     if (!(tr.phases & kPhaseReduce)) continue;
-    if (tr.leaf) {  // the parent reads `in` in place
-      if (!(tr.phases & kPhaseBroadcast) && !alias) copy_range<S, false>(out + un.off, in + un.off, un.len);
+    if (tr.leaf) {  // the parent reads `in` in place; out gets the broadcast, else out = in
+      if ((!(tr.phases & kPhaseBroadcast) || tr.parent < 0) && !alias)  // (a root leaf: 1 rank)
+        copy_range<S, false>(out + un.off, in + un.off, un.len);
       continue;
     }
     if (tid == 0) {

@@ -1,0 +1,260 @@
+// nanobind module `jax_blink._blink_cuda`: the CUDA FFI handlers of "jax_blink_collective" (a thin
+// layer over cuda_executor.h) and the executor's state (check, reset, sizes).
+//
+// Handler, per call (the fast path: no allocation, no host synchronisation, no lock):
+//   dtype/op/shape checks; the device's error record (a read of pinned host memory): a kernel on
+//   this GPU failed earlier -> ffi::Error with its message; the site of (comm_id, device) from a
+//   thread-local cache; the program, element size and length must match the site's; one launch.
+// First call of a (comm_id, device): reads rank and group from the device (a synchronous copy on
+// the call's stream), then meets its peers on the host (JoinSite: registry keyed on (comm_id,
+// group), condition variable with the call's deadline) and makes the site.
+//
+// Two handler symbols:
+//   JaxBlinkCollectiveCuda       the default (no traits).
+//   JaxBlinkCollectiveCudaGraph  the same, claiming the command-buffer trait. All per-call state
+//     of the kernel lives on the device (call counters bumped by the kernel, flags that only grow,
+//     pointers published by the kernel), so a captured launch replays correctly; the host-side
+//     error check then runs only when XLA (re)records the command buffer, but a kernel on a failed
+//     device still exits at once and check() reports it. Its one limit: the FIRST call of a call
+//     site must not be captured (set-up reads rank/group synchronously and meets the peers): it
+//     returns an error naming this if it finds the stream capturing. Opt in with
+//     registrations(command_buffers=True).
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_executor.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+namespace jbc = jax_blink::cuda;
+
+namespace {
+
+std::atomic<uint64_t> g_generation{1};  // bumped by release(): invalidates the threads' caches
+
+bool ToDType(ffi::DataType dt, jbc::DType* out) {
+  switch (dt) {
+    case ffi::DataType::F32: *out = jbc::DType::kF32; return true;
+    case ffi::DataType::F64: *out = jbc::DType::kF64; return true;
+    case ffi::DataType::BF16: *out = jbc::DType::kBF16; return true;
+    case ffi::DataType::F16: *out = jbc::DType::kF16; return true;
+    case ffi::DataType::S32: *out = jbc::DType::kS32; return true;
+    case ffi::DataType::S64: *out = jbc::DType::kS64; return true;
+    default: return false;
+  }
+}
+
+const char* FfiDtypeName(ffi::DataType dt) {
+  switch (dt) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "an unsupported type";
+  }
+}
+
+struct CacheEntry {
+  uint64_t generation = 0;
+  int64_t comm_id = 0;
+  int device = -1;
+  jbc::Site* site = nullptr;
+};
+constexpr int kCacheWays = 16;
+thread_local CacheEntry t_cache[kCacheWays];
+
+jbc::Site* Cached(int64_t comm_id, int device, uint64_t gen) {
+  CacheEntry& e = t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays];
+  return (e.generation == gen && e.comm_id == comm_id && e.device == device) ? e.site : nullptr;
+}
+void Remember(int64_t comm_id, int device, uint64_t gen, jbc::Site* s) {
+  t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays] = CacheEntry{gen, comm_id, device, s};
+}
+
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                   ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
+                   bool graph_handler) {
+  auto where = [&] {  // error messages only
+    return "jax_blink (GPU " + std::to_string(device) + ", collective " + std::to_string(comm_id) + "): ";
+  };
+  const ffi::DataType dt = x.element_type();
+  jbc::DType dtype;
+  if (!ToDType(dt, &dtype))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + "dtype " + FfiDtypeName(dt) +
+                          " is not supported; supported: float32, float64, bfloat16, float16, int32, int64");
+  if (op < 0 || op > 2)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + "op " + std::to_string(op) + " is not supported; supported: 0 (sum), 1 (max), 2 (min)");
+  if (out->element_type() != dt || out->element_count() != x.element_count())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, where() + "the result must have the operand's shape and dtype");
+  if (rank_buf.element_count() != 1 || group_buf.element_count() != 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, where() + "rank and group must be int32 scalars");
+  if (timeout_ms <= 0) timeout_ms = 10000;
+  {
+    std::string failed = jbc::DeviceError(device);
+    if (!failed.empty()) return ffi::Error(ffi::ErrorCode::kAborted, failed);
+  }
+  const uint64_t gen = g_generation.load(std::memory_order_acquire);
+  jbc::Site* site = Cached(comm_id, device, gen);
+  if (site == nullptr) {
+    site = jbc::FindSite(comm_id, device);
+    if (site == nullptr) {
+      if (graph_handler) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                            where() + "the first call of a collective cannot be captured in a command buffer "
+                                      "(set-up reads the rank and meets the peers on the host): run it once "
+                                      "without command buffers, or register the handler without them");
+      }
+      int32_t host[2] = {0, 0};
+      cudaError_t e = cudaMemcpyAsync(&host[0], rank_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+      if (e == cudaSuccess) e = cudaMemcpyAsync(&host[1], group_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess)
+        return ffi::Error(ffi::ErrorCode::kInternal,
+                          where() + "reading rank and group: " + cudaGetErrorString(e));
+      std::string err = jbc::JoinSite(comm_id, host[1], host[0], device, program.begin(),
+                                      static_cast<int64_t>(program.size()), static_cast<int>(ffi::ByteWidth(dt)),
+                                      timeout_ms, &site);
+      if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
+    }
+    Remember(comm_id, device, gen, site);
+  }
+  if (!jbc::SiteProgramMatches(site, program.begin(), static_cast<int64_t>(program.size())))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + "the schedule program differs from the one this collective was set up with");
+  if (jbc::SiteEsize(site) != static_cast<int>(ffi::ByteWidth(dt)))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + "element size differs from the one this collective was set up with");
+  if (jbc::SiteTotalElems(site) != static_cast<int64_t>(x.element_count()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + "the operand has " + std::to_string(x.element_count()) + " elements, the program " +
+                          std::to_string(jbc::SiteTotalElems(site)));
+  std::string err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
+  return ffi::Error::Success();
+}
+
+ffi::Error ExecuteDefault(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                          ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
+  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, false);
+}
+
+ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
+  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, true);
+}
+
+}  // namespace
+
+#define JAX_BLINK_BINDING                                  \
+  xla::ffi::Ffi::Bind()                                    \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
+      .Ctx<xla::ffi::DeviceOrdinal>()                      \
+      .Arg<xla::ffi::AnyBuffer>()                          \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
+      .Ret<xla::ffi::AnyBuffer>()                          \
+      .Attr<xla::ffi::Span<const int32_t>>("program")      \
+      .Attr<int32_t>("op")                                 \
+      .Attr<int64_t>("comm_id")                            \
+      .Attr<int64_t>("timeout_ms")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+NB_MODULE(_blink_cuda, m) {
+  m.doc() = "jax_blink CUDA executor: the FFI handler of 'jax_blink_collective' for GPUs (peer access).";
+
+  m.def(
+      "registrations",
+      [](bool command_buffers) {
+        nb::dict d;
+        d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(
+            command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
+        return d;
+      },
+      nb::arg("command_buffers") = false,
+      "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='CUDA'). "
+      "command_buffers=True gives the handler that claims the command-buffer trait (its first call per "
+      "call site must run uncaptured).");
+
+  m.def(
+      "check",
+      []() {
+        std::string err = jbc::CheckAll();
+        if (!err.empty()) throw std::runtime_error(err);
+      },
+      "Raise RuntimeError if a kernel on any GPU recorded a failure (time-out, mismatch); failures are "
+      "sticky until reset().");
+
+  m.def(
+      "reset",
+      []() {
+        nb::gil_scoped_release nogil;
+        std::string err = jbc::ResetAll();
+        if (!err.empty()) throw std::runtime_error(err);
+      },
+      "Wait for every GPU with collective state, then clear every error record and restart every "
+      "collective's call count on every rank. Call it only when no collective is running.");
+
+  m.def(
+      "staging_bytes",
+      []() {
+        int64_t most = 0;
+        for (const jbc::CommInfo& c : jbc::Comms()) most = std::max(most, c.staging_bytes);
+        return most;
+      },
+      "Largest staging allocation of any communicator, per device, in bytes (0: peers' buffers are "
+      "read in place).");
+
+  m.def(
+      "comms",
+      []() {
+        nb::list out;
+        for (const jbc::CommInfo& c : jbc::Comms()) {
+          nb::dict d;
+          d["devices"] = c.devices;
+          d["blocks"] = c.blocks;
+          d["staging_bytes"] = c.staging_bytes;
+          d["control_bytes"] = c.control_bytes;
+          d["num_sites"] = c.num_sites;
+          out.append(d);
+        }
+        return out;
+      },
+      "One dict per communicator (ordered device set): devices, blocks, staging_bytes, control_bytes "
+      "(flags, pointer tables and plans of its call sites, on its largest device), num_sites.");
+
+  m.def(
+      "release",
+      []() {
+        nb::gil_scoped_release nogil;
+        g_generation.fetch_add(1, std::memory_order_acq_rel);
+        jbc::ReleaseAll();
+      },
+      "Free every communicator (registered with atexit; collectives set up again on their next call).");
+
+  m.def("version", []() { return std::string(jbc::Version()); });
+
+  nb::module_::import_("atexit").attr("register")(m.attr("release"));
+}

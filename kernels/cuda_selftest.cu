@@ -1,0 +1,771 @@
+// Standalone self-test and micro-benchmark of the CUDA executor (no JAX, no Python).
+//
+// Build and run from the repository root (one line):
+//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Ikernels -o /tmp/cuda_selftest kernels/cuda_selftest.cu kernels/cuda_executor.cu && /tmp/cuda_selftest && /tmp/cuda_selftest --bench
+//
+// Modes:
+//   (none)     every test: N ranks as N streams of GPU 0 (small grids, all blocks resident), then,
+//              with 2+ GPUs, 2 ranks on GPUs 0 and 1. Prints one PASS/FAIL line per test and a
+//              summary; exits 1 on any failure.
+//   --quick    a few small cases only (for compute-sanitizer: memcheck needs no concurrency, but
+//              tools that serialise kernels make cross-rank waits time out on one GPU, so --quick
+//              uses 2 GPUs when there are 2).
+//   --bench    2 ranks on GPUs 0 and 1 (or 2 streams of GPU 0 when there is one GPU), sizes 1 KiB ..
+//              1 GiB, one-hop star trees (rank r roots half r of the data), time per call from CUDA
+//              events over back-to-back launches (stream) and over a captured CUDA graph of calls
+//              (graph, up to 16 MiB), algbw = bytes/time, busbw = algbw * 2(n-1)/n = algbw.
+//              Options: --dtype f32|bf16, --chunk BYTES (program chunk, default 512 KiB),
+//              --max BYTES (largest size, default 1 GiB).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_executor.h"
+#include "program.h"
+
+using namespace jax_blink;
+using jax_blink::cuda::DType;
+
+#define CK(expr)                                                                                     \
+  do {                                                                                               \
+    cudaError_t e_ = (expr);                                                                         \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   cudaGetErrorString(e_));                                                          \
+      std::exit(2);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+namespace {
+
+int g_failures = 0, g_passes = 0;
+int64_t g_comm_id = 1000;
+
+void Report(bool ok, const std::string& name, const std::string& detail) {
+  std::printf("%s  %-58s %s\n", ok ? "PASS" : "FAIL", name.c_str(), detail.c_str());
+  std::fflush(stdout);
+  (ok ? g_passes : g_failures)++;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programs by hand.
+
+struct TreeSpec {
+  int root;
+  int phases;
+  int64_t off, len;
+  std::vector<int> parent;
+};
+
+std::vector<int32_t> MakeProgram(int n, int64_t chunk, int64_t total, const std::vector<TreeSpec>& trees) {
+  std::vector<int32_t> w = {kProgramVersion, n, static_cast<int32_t>(trees.size()), static_cast<int32_t>(chunk),
+                            static_cast<int32_t>(total)};
+  for (const TreeSpec& t : trees) {
+    w.push_back(t.root);
+    w.push_back(t.phases);
+    w.push_back(static_cast<int32_t>(t.off));
+    w.push_back(static_cast<int32_t>(t.len));
+    for (int p : t.parent) w.push_back(p);
+  }
+  return w;
+}
+
+std::vector<int> StarParents(int n, int root) {
+  std::vector<int> p(n, root);
+  p[root] = -1;
+  return p;
+}
+std::vector<int> ChainParents(int n, int root) {  // root <- root+1 <- root+2 ... (mod n)
+  std::vector<int> p(n);
+  for (int i = 0; i < n; ++i) p[(root + i) % n] = i == 0 ? -1 : (root + i - 1) % n;
+  return p;
+}
+
+// n ranks, one tree per rank (rank r roots 1/n of the data), all one hop: the NVSwitch plan.
+std::vector<TreeSpec> SplitStars(int n, int64_t total, int esize, int phases = 3) {
+  std::vector<TreeSpec> t;
+  const int64_t align = std::max(1, 16 / esize);
+  int64_t at = 0;
+  for (int r = 0; r < n; ++r) {
+    int64_t len = r == n - 1 ? total - at : (total / n) / align * align;
+    t.push_back({r, phases, at, len, StarParents(n, r)});
+    at += len;
+  }
+  return t;
+}
+
+// DGX-1V-like: three spanning trees over the NVLink graph of 8 V100s (roots 0, 6, 3).
+std::vector<TreeSpec> Dgx1vTrees(int64_t total) {
+  const std::vector<int> a = {-1, 0, 3, 0, 0, 1, 7, 4};
+  const std::vector<int> b = {4, 5, 6, 2, 7, 6, -1, 6};
+  const std::vector<int> c = {3, 2, 3, -1, 0, 6, 7, 3};
+  const int64_t l0 = total / 3 / 4 * 4, l1 = total / 4 / 4 * 4;
+  return {{0, 3, 0, l0, a}, {6, 3, l0, l1, b}, {3, 3, l0 + l1, total - l0 - l1, c}};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-side element values.
+
+int Esize(DType d) { return cuda::DTypeSize(d); }
+
+float Bf16ToF(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t FToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+double Get(DType d, const uint8_t* p, int64_t i) {
+  switch (d) {
+    case DType::kF32: { float v; std::memcpy(&v, p + 4 * i, 4); return v; }
+    case DType::kF64: { double v; std::memcpy(&v, p + 8 * i, 8); return v; }
+    case DType::kBF16: { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return Bf16ToF(v); }
+    case DType::kF16: { __half_raw r; std::memcpy(&r.x, p + 2 * i, 2); return __half2float(__half(r)); }
+    case DType::kS32: { int32_t v; std::memcpy(&v, p + 4 * i, 4); return v; }
+    case DType::kS64: { int64_t v; std::memcpy(&v, p + 8 * i, 8); return static_cast<double>(v); }
+  }
+  return 0;
+}
+void Put(DType d, uint8_t* p, int64_t i, double x) {
+  switch (d) {
+    case DType::kF32: { float v = static_cast<float>(x); std::memcpy(p + 4 * i, &v, 4); break; }
+    case DType::kF64: { std::memcpy(p + 8 * i, &x, 8); break; }
+    case DType::kBF16: { uint16_t v = FToBf16(static_cast<float>(x)); std::memcpy(p + 2 * i, &v, 2); break; }
+    case DType::kF16: { __half_raw r = __half_raw(__float2half_rn(static_cast<float>(x))); std::memcpy(p + 2 * i, &r.x, 2); break; }
+    case DType::kS32: { int32_t v = static_cast<int32_t>(x); std::memcpy(p + 4 * i, &v, 4); break; }
+    case DType::kS64: { int64_t v = static_cast<int64_t>(x); std::memcpy(p + 8 * i, &v, 8); break; }
+  }
+}
+double RoundTo(DType d, double x) {
+  uint8_t tmp[8];
+  Put(d, tmp, 0, x);
+  return Get(d, tmp, 0);
+}
+double Combine(int op, double a, double b) {
+  if (op == 0) return a + b;
+  if (op == 1) return a >= b ? a : b;
+  return a <= b ? a : b;
+}
+
+// The program's semantics in double, one rounding to the dtype per hop (program.h).
+std::vector<std::vector<double>> Reference(int n, const std::vector<TreeSpec>& trees,
+                                           const std::vector<std::vector<double>>& in, int op, DType d) {
+  std::vector<std::vector<double>> out = in;
+  for (const TreeSpec& t : trees) {
+    std::vector<int> order;  // post-order: children before parents
+    std::vector<std::pair<int, bool>> st = {{t.root, false}};
+    while (!st.empty()) {
+      auto [v, done] = st.back();
+      st.pop_back();
+      if (done) { order.push_back(v); continue; }
+      st.push_back({v, true});
+      for (int c = n - 1; c >= 0; --c)
+        if (t.parent[c] == v) st.push_back({c, false});
+    }
+    for (int64_t i = t.off; i < t.off + t.len; ++i) {
+      if (t.phases & kPhaseReduce)
+        for (int r : order) {
+          double acc = in[r][i];
+          for (int c = 0; c < n; ++c)
+            if (t.parent[c] == r) acc = Combine(op, acc, out[c][i]);
+          out[r][i] = RoundTo(d, acc);
+        }
+      if (t.phases & kPhaseBroadcast)
+        for (auto it = order.rbegin(); it != order.rend(); ++it)
+          if (t.parent[*it] >= 0) out[*it][i] = out[t.parent[*it]][i];
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One rank's buffers and stream.
+
+struct Rank {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  uint8_t* in = nullptr;
+  uint8_t* out = nullptr;
+  size_t bytes = 0;
+};
+
+std::vector<Rank> MakeRanks(const std::vector<int>& devices, size_t bytes) {
+  std::vector<Rank> ranks(devices.size());
+  for (size_t r = 0; r < devices.size(); ++r) {
+    ranks[r].device = devices[r];
+    ranks[r].bytes = bytes;
+    CK(cudaSetDevice(devices[r]));
+    CK(cudaStreamCreateWithFlags(&ranks[r].stream, cudaStreamNonBlocking));
+    CK(cudaMalloc(&ranks[r].in, std::max<size_t>(bytes, 16)));
+    CK(cudaMalloc(&ranks[r].out, std::max<size_t>(bytes, 16)));
+  }
+  return ranks;
+}
+
+void FreeRanks(std::vector<Rank>& ranks) {
+  for (Rank& r : ranks) {
+    CK(cudaSetDevice(r.device));
+    CK(cudaStreamSynchronize(r.stream));
+    CK(cudaFree(r.in));
+    CK(cudaFree(r.out));
+    CK(cudaStreamDestroy(r.stream));
+  }
+  ranks.clear();
+}
+
+void SyncAll(const std::vector<Rank>& ranks) {
+  for (const Rank& r : ranks) {
+    CK(cudaSetDevice(r.device));
+    CK(cudaStreamSynchronize(r.stream));
+  }
+}
+
+std::string AnyDeviceError() { return cuda::CheckAll(); }
+
+// ---------------------------------------------------------------------------------------------
+// A correctness case.
+
+struct Case {
+  std::string name;
+  std::vector<int> devices;
+  DType dtype = DType::kF32;
+  int op = 0;
+  int64_t total = 0;
+  int64_t chunk = 1 << 16;
+  std::vector<TreeSpec> trees;
+  bool alias = false;     // in == out (donation)
+  bool real = false;      // random reals with a tolerance (else small integers, exact)
+  int blocks = 0;         // 0: chosen from the ranks per GPU
+  int64_t min_piece = 8192;
+  bool reverse_launch = false;
+};
+
+int BlocksFor(const std::vector<int>& devices, int want) {
+  if (want > 0) return want;
+  int most = 0;
+  for (int d : devices) most = std::max<int>(most, std::count(devices.begin(), devices.end(), d));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, devices[0]));
+  return most == 1 ? 0 : std::max(1, std::min(16, (sms - 4) / most));
+}
+
+bool RunCase(const Case& c) {
+  const int n = static_cast<int>(c.devices.size());
+  const int es = Esize(c.dtype);
+  std::vector<int32_t> prog = MakeProgram(n, c.chunk, c.total, c.trees);
+  cuda::Options opt;
+  opt.blocks = BlocksFor(c.devices, c.blocks);
+  opt.min_piece_bytes = c.min_piece;
+  std::vector<cuda::Site*> sites;
+  std::string err = cuda::CreateSite(c.devices, prog.data(), static_cast<int64_t>(prog.size()), es, opt, ++g_comm_id, &sites);
+  if (!err.empty()) { Report(false, c.name, "set-up: " + err); return false; }
+  const size_t bytes = static_cast<size_t>(c.total) * es;
+  std::vector<Rank> ranks = MakeRanks(c.devices, bytes);
+  std::mt19937_64 rng(12345 + c.total);
+  std::vector<std::vector<double>> in(n, std::vector<double>(c.total));
+  std::vector<std::vector<uint8_t>> host(n, std::vector<uint8_t>(std::max<size_t>(bytes, 1)));
+  const bool is_int = c.dtype == DType::kS32 || c.dtype == DType::kS64;
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < c.total; ++i) {
+      double v;
+      if (c.real) v = std::uniform_real_distribution<double>(-1, 1)(rng);
+      else if (is_int) v = static_cast<double>(rng() % 16);  // >= 0: the 0xFF poison (-1) is never right
+      else v = static_cast<double>(static_cast<int>(rng() % 17) - 8);
+      Put(c.dtype, host[r].data(), i, v);
+      in[r][i] = Get(c.dtype, host[r].data(), i);
+    }
+    CK(cudaSetDevice(ranks[r].device));
+    CK(cudaMemcpy(ranks[r].in, host[r].data(), bytes, cudaMemcpyHostToDevice));
+    if (c.alias) { CK(cudaFree(ranks[r].out)); ranks[r].out = ranks[r].in; }
+    else CK(cudaMemset(ranks[r].out, 0xFF, bytes));  // NaN / -1 poison
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    const int r = c.reverse_launch ? n - 1 - i : i;
+    err = cuda::Launch(sites[r], c.dtype, c.op, ranks[r].in, ranks[r].out, ranks[r].stream, 5000);
+    if (!err.empty()) break;
+  }
+  SyncAll(ranks);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (err.empty()) err = AnyDeviceError();
+  if (!err.empty()) {
+    if (c.alias) for (Rank& r : ranks) r.out = nullptr;
+    Report(false, c.name, err);
+    cuda::ResetAll();
+    for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; CK(cudaFree(r.in)); r.in = nullptr; CK(cudaStreamDestroy(r.stream)); }
+    return false;
+  }
+  std::vector<std::vector<uint8_t>> got(n, std::vector<uint8_t>(std::max<size_t>(bytes, 1)));
+  for (int r = 0; r < n; ++r) {
+    CK(cudaSetDevice(ranks[r].device));
+    CK(cudaMemcpy(got[r].data(), ranks[r].out, bytes, cudaMemcpyDeviceToHost));
+  }
+  auto ref = Reference(n, c.trees, in, c.op, c.dtype);
+  double tol = 0;
+  if (c.real) {
+    tol = c.dtype == DType::kF64 ? 1e-12 : c.dtype == DType::kF32 ? 2e-6 : c.dtype == DType::kF16 ? 4e-3 : 3e-2;
+    tol *= n * 2;
+  }
+  int64_t wrong = 0;
+  std::string first;
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < c.total; ++i) {
+      const double g = Get(c.dtype, got[r].data(), i), want = ref[r][i];
+      const bool ok = c.real ? std::fabs(g - want) <= tol : g == want;
+      if (!ok && wrong++ == 0) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "rank %d elem %lld: got %.9g want %.9g", r, static_cast<long long>(i), g, want);
+        first = buf;
+      }
+    }
+  // Bitwise identical across ranks wherever the program broadcasts.
+  int64_t differ = 0;
+  for (const TreeSpec& t : c.trees) {
+    if (!(t.phases & kPhaseBroadcast)) continue;
+    for (int r = 1; r < n; ++r)
+      if (std::memcmp(got[r].data() + t.off * es, got[0].data() + t.off * es, t.len * es) != 0) ++differ;
+  }
+  if (c.alias) for (Rank& r : ranks) r.out = nullptr;
+  for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; }
+  for (Rank& r : ranks) { CK(cudaFree(r.in)); CK(cudaStreamDestroy(r.stream)); }
+  char detail[256];
+  std::snprintf(detail, sizeof detail, "%d ranks, %lld elems, %lld units, grid %d, %.1f ms%s%s", n,
+                static_cast<long long>(c.total), static_cast<long long>(cuda::SiteUnits(sites[0])),
+                cuda::SiteGrid(sites[0]), ms, wrong ? "; " : "", first.c_str());
+  std::string d = detail;
+  if (wrong) d += " (" + std::to_string(wrong) + " wrong)";
+  if (differ) d += "; ranks not bitwise identical in " + std::to_string(differ) + " (tree, rank) pairs";
+  Report(wrong == 0 && differ == 0, c.name, d);
+  return wrong == 0 && differ == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chained calls: int32 sums, out of call i is the input of call i+1 (ping-pong), exact with
+// wrap-around: after call 1 every rank holds S = sum of inputs; after call j, n^(j-1) * S.
+
+bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph) {
+  const int n = static_cast<int>(devices.size());
+  auto trees = SplitStars(n, total, 4);
+  if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
+  std::vector<int32_t> prog = MakeProgram(n, 4096, total, trees);
+  cuda::Options opt;
+  opt.blocks = BlocksFor(devices, 0);
+  opt.min_piece_bytes = 1024;
+  std::vector<cuda::Site*> sites;
+  std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), 4, opt, ++g_comm_id, &sites);
+  if (!err.empty()) { Report(false, name, err); return false; }
+  const size_t bytes = total * 4;
+  std::vector<Rank> ranks = MakeRanks(devices, bytes);
+  std::vector<uint32_t> sum(total, 0);
+  std::vector<std::vector<int32_t>> h(n, std::vector<int32_t>(total));
+  std::mt19937 rng(7);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < total; ++i) { h[r][i] = static_cast<int32_t>(rng()); sum[i] += static_cast<uint32_t>(h[r][i]); }
+    CK(cudaSetDevice(devices[r]));
+    CK(cudaMemcpy(ranks[r].in, h[r].data(), bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemset(ranks[r].out, 0xFF, bytes));
+  }
+  float ms = 0;
+  int done_calls = 0;
+  cudaEvent_t e0, e1;
+  CK(cudaSetDevice(devices[0]));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  if (!graph) {
+    CK(cudaEventRecord(e0, ranks[0].stream));
+    for (int i = 0; i < calls && err.empty(); ++i)
+      for (int r = 0; r < n && err.empty(); ++r) {
+        const bool even = i % 2 == 0;
+        err = cuda::Launch(sites[r], DType::kS32, 0, even ? ranks[r].in : ranks[r].out,
+                           even ? ranks[r].out : ranks[r].in, ranks[r].stream, 5000);
+      }
+    done_calls = calls;
+    CK(cudaSetDevice(devices[0]));
+    CK(cudaEventRecord(e1, ranks[0].stream));
+  } else {
+    // Capture `per` calls per rank into one graph per rank, replay it calls/per times.
+    const int per = 10;
+    std::vector<cudaGraphExec_t> execs(n);
+    for (int r = 0; r < n && err.empty(); ++r) {
+      CK(cudaSetDevice(devices[r]));
+      CK(cudaStreamBeginCapture(ranks[r].stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < per && err.empty(); ++i) {
+        const bool even = i % 2 == 0;
+        err = cuda::Launch(sites[r], DType::kS32, 0, even ? ranks[r].in : ranks[r].out,
+                           even ? ranks[r].out : ranks[r].in, ranks[r].stream, 5000);
+      }
+      cudaGraph_t g;
+      CK(cudaStreamEndCapture(ranks[r].stream, &g));
+      CK(cudaGraphInstantiate(&execs[r], g, 0));
+      CK(cudaGraphDestroy(g));
+    }
+    CK(cudaSetDevice(devices[0]));
+    CK(cudaEventRecord(e0, ranks[0].stream));
+    for (int k = 0; k < calls / per && err.empty(); ++k)
+      for (int r = 0; r < n; ++r) {
+        CK(cudaSetDevice(devices[r]));
+        CK(cudaGraphLaunch(execs[r], ranks[r].stream));
+      }
+    done_calls = calls / per * per;
+    CK(cudaSetDevice(devices[0]));
+    CK(cudaEventRecord(e1, ranks[0].stream));
+    SyncAll(ranks);
+    for (auto& x : execs) CK(cudaGraphExecDestroy(x));
+  }
+  SyncAll(ranks);
+  CK(cudaSetDevice(devices[0]));
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  if (err.empty()) err = AnyDeviceError();
+  int64_t wrong = 0;
+  if (err.empty()) {
+    std::vector<uint32_t> want = sum;
+    for (int j = 1; j < done_calls; ++j)
+      for (auto& v : want) v *= static_cast<uint32_t>(n);
+    std::vector<int32_t> got(total);
+    for (int r = 0; r < n; ++r) {
+      CK(cudaSetDevice(devices[r]));
+      CK(cudaMemcpy(got.data(), done_calls % 2 ? ranks[r].out : ranks[r].in, bytes, cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < total; ++i) wrong += static_cast<uint32_t>(got[i]) != want[i];
+    }
+  } else {
+    cuda::ResetAll();
+  }
+  FreeRanks(ranks);
+  char d[200];
+  std::snprintf(d, sizeof d, "%d ranks, %lld elems, %d calls, %.2f us/call%s", n, static_cast<long long>(total),
+                done_calls, 1000.0 * ms / std::max(done_calls, 1), wrong ? ", WRONG ELEMENTS" : "");
+  Report(err.empty() && wrong == 0, name, err.empty() ? d : err);
+  return err.empty() && wrong == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A rank that skips a call: its peers must time out (500 ms budget) with a record naming the
+// device, tree and chunk; the skipped rank's next call must fail fast; reset() must recover.
+
+bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip) {
+  const int n = static_cast<int>(devices.size());
+  const int64_t total = 1 << 16;
+  auto trees = SplitStars(n, total, 4);
+  std::vector<int32_t> prog = MakeProgram(n, 4096, total, trees);
+  cuda::Options opt;
+  opt.blocks = BlocksFor(devices, 0);
+  std::vector<cuda::Site*> sites;
+  std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), 4, opt, ++g_comm_id, &sites);
+  if (!err.empty()) { Report(false, name, err); return false; }
+  std::vector<Rank> ranks = MakeRanks(devices, total * 4);
+  for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); CK(cudaMemset(r.in, 0, total * 4)); }
+  bool ok = true;
+  std::string detail;
+  // Call 1: everyone (must work).
+  for (int r = 0; r < n; ++r) cuda::Launch(sites[r], DType::kF32, 0, ranks[r].in, ranks[r].out, ranks[r].stream, 500);
+  SyncAll(ranks);
+  if (!AnyDeviceError().empty()) { ok = false; detail = "the first (full) call failed: " + AnyDeviceError(); }
+  // Call 2: rank `skip` does not take part.
+  auto t0 = std::chrono::steady_clock::now();
+  if (ok) {
+    for (int r = 0; r < n; ++r)
+      if (r != skip) cuda::Launch(sites[r], DType::kF32, 0, ranks[r].in, ranks[r].out, ranks[r].stream, 500);
+    SyncAll(ranks);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const int present = skip == 0 ? 1 : 0;
+    std::string rec = cuda::DeviceError(devices[present]);
+    if (rec.empty() || rec.find("timed out") == std::string::npos || rec.find("tree") == std::string::npos ||
+        rec.find("chunk") == std::string::npos) {
+      ok = false;
+      detail = "no time-out record on GPU " + std::to_string(devices[present]) + " (got: '" + rec + "')";
+    } else if (s > 3.0) {
+      ok = false;
+      detail = "the time-out took " + std::to_string(s) + " s with a 0.5 s budget";
+    } else {
+      char b[64];
+      std::snprintf(b, sizeof b, "timed out in %.2f s: ", s);
+      detail = b + rec.substr(0, 200) + "...";
+    }
+  }
+  // The skipped rank's next call: must end quickly with an error on its GPU, never hang.
+  if (ok) {
+    auto t1 = std::chrono::steady_clock::now();
+    cuda::Launch(sites[skip], DType::kF32, 0, ranks[skip].in, ranks[skip].out, ranks[skip].stream, 5000);
+    SyncAll(ranks);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    if (cuda::DeviceError(devices[skip]).empty()) { ok = false; detail += " | skipped rank's next call: no error on its GPU"; }
+    else if (s > 1.0) { ok = false; detail += " | skipped rank's next call took " + std::to_string(s) + " s (no fast failure)"; }
+    else detail += " | next call of the skipped rank failed in " + std::to_string(static_cast<int>(s * 1000)) + " ms";
+  }
+  // Reset, then a full call must work again.
+  if (ok) {
+    err = cuda::ResetAll();
+    if (!err.empty()) { ok = false; detail += " | reset: " + err; }
+    for (int r = 0; r < n && ok; ++r) cuda::Launch(sites[r], DType::kF32, 0, ranks[r].in, ranks[r].out, ranks[r].stream, 2000);
+    SyncAll(ranks);
+    if (ok && !AnyDeviceError().empty()) { ok = false; detail += " | after reset: " + AnyDeviceError(); }
+  }
+  cuda::ResetAll();
+  FreeRanks(ranks);
+  Report(ok, name, detail);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::vector<Case> OneGpuCases(bool quick) {
+  std::vector<Case> cs;
+  auto same = [](int n) { return std::vector<int>(n, 0); };
+  // 2 ranks, star split (each rank roots half): the one-hop plan.
+  cs.push_back({"1gpu 2r star-split f32 sum real, odd size", same(2), DType::kF32, 0, (1 << 20) + 3, 1 << 15,
+                SplitStars(2, (1 << 20) + 3, 4), false, true});
+  cs.back().min_piece = 4096;
+  // Chain of 4, many small pieces.
+  cs.push_back({"1gpu 4r chain f32 sum, many pieces", same(4), DType::kF32, 0, 100003, 512,
+                {{0, 3, 0, 100003, ChainParents(4, 0)}}});
+  cs.back().min_piece = 512;
+  if (quick) return cs;
+  // Every dtype x op on a 4-rank star rooted at 2, plus a second tree with another root.
+  const DType all[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64};
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      const int64_t total = 50000;
+      std::string nm = std::string("1gpu 4r two trees ") + cuda::DTypeName(d) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({nm, same(4), d, op, total, 1024,
+                    {{2, 3, 0, 30000, StarParents(4, 2)}, {1, 3, 30000, 20000, ChainParents(4, 1)}}});
+      cs.back().min_piece = 1024;
+    }
+  // Unaligned segments, gaps at both ends and between: scalar paths.
+  cs.push_back({"1gpu 3r unaligned segments + gaps bf16 sum", same(3), DType::kBF16, 0, 10007, 100,
+                {{1, 3, 3, 4001, StarParents(3, 1)}, {2, 3, 4009, 5001, ChainParents(3, 2)}}});
+  cs.back().min_piece = 256;
+  cs.push_back({"1gpu 3r unaligned segments f32 real reversed launch", same(3), DType::kF32, 0, 77777, 1000,
+                {{0, 3, 1, 40000, ChainParents(3, 0)}, {2, 3, 40001, 37775, StarParents(3, 2)}}, false, true});
+  cs.back().reverse_launch = true;
+  cs.back().min_piece = 512;
+  // Broadcast only (rank 1 roots a chain 1 <- 2 <- 0), and reduce only (depth 2).
+  cs.push_back({"1gpu 3r broadcast-only f16", same(3), DType::kF16, 0, 65536, 4096,
+                {{1, 2, 0, 65536, {2, -1, 1}}}});
+  cs.push_back({"1gpu 4r reduce-only depth 2 f32", same(4), DType::kF32, 0, 65536, 2048,
+                {{0, 1, 0, 65536, {-1, 0, 1, 1}}}});
+  cs.back().min_piece = 2048;
+  // Mixed phases in one program: allreduce, broadcast-only, reduce-only trees.
+  cs.push_back({"1gpu 4r mixed phases s64 max", same(4), DType::kS64, 1, 30000, 1000,
+                {{0, 3, 0, 10000, StarParents(4, 0)}, {3, 2, 10000, 10000, ChainParents(4, 3)},
+                 {1, 1, 20000, 10000, {1, -1, 1, 2}}}});
+  cs.back().min_piece = 1024;
+  // DGX-1V-like 8 ranks, 3 trees of depth up to 3.
+  cs.push_back({"1gpu 8r dgx1v 3 trees f32 sum real", same(8), DType::kF32, 0, 600000, 8192,
+                Dgx1vTrees(600000), false, true});
+  cs.push_back({"1gpu 8r dgx1v 3 trees s32 max", same(8), DType::kS32, 1, 200000, 2048, Dgx1vTrees(200000)});
+  cs.back().min_piece = 2048;
+  cs.push_back({"1gpu 8r chain depth 7 f64 sum", same(8), DType::kF64, 0, 123457, 4096,
+                {{5, 3, 0, 123457, ChainParents(8, 5)}}});
+  cs.back().min_piece = 4096;
+  cs.push_back({"1gpu 8r one-hop stars (nvswitch plan) bf16 real", same(8), DType::kBF16, 0, 1 << 18, 1 << 14,
+                SplitStars(8, 1 << 18, 2), false, true});
+  // Donation: in == out.
+  cs.push_back({"1gpu 4r in==out (donated) f32 sum", same(4), DType::kF32, 0, 99999, 2048,
+                {{0, 3, 0, 50000, ChainParents(4, 0)}, {3, 3, 50000, 49999, StarParents(4, 3)}}, true});
+  cs.back().min_piece = 1024;
+  cs.push_back({"1gpu 3r in==out reduce-only + bcast-only", same(3), DType::kF32, 0, 9000, 512,
+                {{0, 1, 0, 4500, {-1, 0, 1}}, {2, 2, 4500, 4500, {2, 0, -1}}}, true});
+  cs.back().min_piece = 256;
+  // Degenerate programs.
+  cs.push_back({"1gpu 2r empty segment + gap only tail", same(2), DType::kF32, 0, 1000, 64,
+                {{0, 3, 0, 0, StarParents(2, 0)}, {1, 3, 16, 900, StarParents(2, 1)}}});
+  cs.push_back({"1gpu 2r no trees (all gap)", same(2), DType::kS32, 0, 1000, 64, {}});
+  cs.push_back({"1gpu 2r one element", same(2), DType::kF32, 0, 1, 1, {{1, 3, 0, 1, StarParents(2, 1)}}});
+  cs.push_back({"1gpu 1r trivial", same(1), DType::kF32, 0, 4097, 1024, {{0, 3, 0, 4097, {-1}}}});
+  return cs;
+}
+
+std::vector<Case> TwoGpuCases(bool quick) {
+  std::vector<Case> cs;
+  const std::vector<int> dev = {0, 1};
+  cs.push_back({"2gpu star-split f32 sum real 4 MiB", dev, DType::kF32, 0, 1 << 20, 1 << 17, SplitStars(2, 1 << 20, 4),
+                false, true});
+  cs.push_back({"2gpu star-split bf16 sum 1 KiB", dev, DType::kBF16, 0, 512, 1 << 17, SplitStars(2, 512, 2)});
+  if (quick) return cs;
+  const DType all[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64};
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      std::string nm = std::string("2gpu star-split ") + cuda::DTypeName(d) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({nm, dev, d, op, 300001, 1 << 15, SplitStars(2, 300001, Esize(d))});
+    }
+  cs.push_back({"2gpu star-split f32 64 MiB real", dev, DType::kF32, 0, 16 << 20, 512 << 10, SplitStars(2, 16 << 20, 4),
+                false, true});
+  cs.push_back({"2gpu single tree root 1 f32 real", dev, DType::kF32, 0, 1 << 20, 1 << 16,
+                {{1, 3, 0, 1 << 20, StarParents(2, 1)}}, false, true});
+  cs.push_back({"2gpu in==out star-split f32", dev, DType::kF32, 0, 1 << 18, 1 << 16, SplitStars(2, 1 << 18, 4), true});
+  cs.push_back({"2gpu broadcast-only root 0 f16", dev, DType::kF16, 0, 1 << 18, 1 << 16,
+                {{0, 2, 0, 1 << 18, StarParents(2, 0)}}});
+  cs.push_back({"2gpu reduce-only root 1 f32", dev, DType::kF32, 0, 1 << 18, 1 << 16,
+                {{1, 1, 0, 1 << 18, StarParents(2, 1)}}});
+  return cs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bench.
+
+int Bench(int argc, char** argv, int ngpu) {
+  DType dtype = DType::kF32;
+  int64_t chunk_bytes = 512 << 10, max_bytes = int64_t{1} << 30;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--dtype" && i + 1 < argc) dtype = std::string(argv[++i]) == "bf16" ? DType::kBF16 : DType::kF32;
+    else if (a == "--chunk" && i + 1 < argc) chunk_bytes = std::atoll(argv[++i]);
+    else if (a == "--max" && i + 1 < argc) max_bytes = std::atoll(argv[++i]);
+  }
+  const std::vector<int> devices = ngpu >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
+  const int n = 2, es = Esize(dtype);
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# jax_blink CUDA executor bench: %s, %s, 2 ranks on %s, one-hop star trees (rank r roots half r), "
+              "program chunk %lld B\n", prop.name, cuda::DTypeName(dtype),
+              ngpu >= 2 ? "GPUs 0,1" : "2 streams of GPU 0", static_cast<long long>(chunk_bytes));
+  std::printf("%12s %12s %7s %8s %12s %12s %12s %12s %7s\n", "bytes", "elems", "units", "calls", "stream_us",
+              "graph_us", "algbw_GB/s", "busbw_GB/s", "#wrong");
+  std::vector<Rank> ranks = MakeRanks(devices, max_bytes);
+  // in_r[i] = (i % 7) + r: the sum 2 (i % 7) + 1 is exact in every float type.
+  {
+    std::vector<uint8_t> h(std::min<int64_t>(max_bytes, 64 << 20));
+    const int64_t he = h.size() / es;
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < he; ++i) Put(dtype, h.data(), i, static_cast<double>(i % 7 + r));
+      CK(cudaSetDevice(devices[r]));
+      for (int64_t off = 0; off < max_bytes; off += h.size())
+        CK(cudaMemcpy(ranks[r].in + off, h.data(), std::min<int64_t>(h.size(), max_bytes - off), cudaMemcpyHostToDevice));
+    }
+  }
+  std::vector<cudaEvent_t> ev0(n), ev1(n);
+  for (int r = 0; r < n; ++r) {
+    CK(cudaSetDevice(devices[r]));
+    CK(cudaEventCreate(&ev0[r]));
+    CK(cudaEventCreate(&ev1[r]));
+  }
+  // Time `calls` calls (stream launches or graph replays) on every rank; max over ranks, per call.
+  auto timed = [&](auto&& enqueue, int calls) {
+    SyncAll(ranks);
+    for (int r = 0; r < n; ++r) { CK(cudaSetDevice(devices[r])); CK(cudaEventRecord(ev0[r], ranks[r].stream)); }
+    enqueue();
+    for (int r = 0; r < n; ++r) { CK(cudaSetDevice(devices[r])); CK(cudaEventRecord(ev1[r], ranks[r].stream)); }
+    SyncAll(ranks);
+    float worst = 0;
+    for (int r = 0; r < n; ++r) { float ms; CK(cudaEventElapsedTime(&ms, ev0[r], ev1[r])); worst = std::max(worst, ms); }
+    return 1000.0 * worst / calls;
+  };
+  int rc = 0;
+  for (int64_t bytes = 1024; bytes <= max_bytes; bytes *= 2) {
+    const int64_t elems = bytes / es;
+    std::vector<int32_t> prog = MakeProgram(n, std::max<int64_t>(1, chunk_bytes / es), elems, SplitStars(n, elems, es));
+    cuda::Options opt;
+    opt.blocks = ngpu >= 2 ? 0 : 64;
+    std::vector<cuda::Site*> sites;
+    std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), es, opt, ++g_comm_id, &sites);
+    if (!err.empty()) { std::printf("set-up failed: %s\n", err.c_str()); return 1; }
+    auto launch_all = [&] {
+      for (int r = 0; r < n; ++r) cuda::Launch(sites[r], dtype, 0, ranks[r].in, ranks[r].out, ranks[r].stream, 10000);
+    };
+    for (int i = 0; i < 5; ++i) launch_all();  // warm-up
+    const int calls = static_cast<int>(std::clamp<int64_t>((int64_t{1} << 31) / bytes, 20, 2000));
+    const double us = timed([&] { for (int i = 0; i < calls; ++i) launch_all(); }, calls);
+    double gus = -1;
+    if (bytes <= (16 << 20)) {
+      const int per = 100;
+      std::vector<cudaGraphExec_t> execs(n);
+      for (int r = 0; r < n; ++r) {
+        CK(cudaSetDevice(devices[r]));
+        CK(cudaStreamBeginCapture(ranks[r].stream, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < per; ++i) cuda::Launch(sites[r], dtype, 0, ranks[r].in, ranks[r].out, ranks[r].stream, 10000);
+        cudaGraph_t g;
+        CK(cudaStreamEndCapture(ranks[r].stream, &g));
+        CK(cudaGraphInstantiate(&execs[r], g, 0));
+        CK(cudaGraphDestroy(g));
+      }
+      auto replay = [&](int times) {
+        for (int k = 0; k < times; ++k)
+          for (int r = 0; r < n; ++r) { CK(cudaSetDevice(devices[r])); CK(cudaGraphLaunch(execs[r], ranks[r].stream)); }
+      };
+      replay(1);
+      gus = timed([&] { replay(5); }, 5 * per);
+      for (auto& x : execs) CK(cudaGraphExecDestroy(x));
+    }
+    err = AnyDeviceError();
+    int64_t wrong = 0;
+    if (err.empty()) {
+      std::vector<uint8_t> h(bytes);
+      for (int r = 0; r < n; ++r) {
+        CK(cudaSetDevice(devices[r]));
+        CK(cudaMemcpy(h.data(), ranks[r].out, bytes, cudaMemcpyDeviceToHost));
+        for (int64_t i = 0; i < elems; ++i) wrong += Get(dtype, h.data(), i) != static_cast<double>(2 * (i % 7) + 1);
+      }
+    } else {
+      std::printf("kernel failure: %s\n", err.c_str());
+      return 1;
+    }
+    const double best = gus > 0 ? std::min(us, gus) : us;
+    const double algbw = bytes / (best * 1e3);
+    std::printf("%12lld %12lld %7lld %8d %12.2f %12s %12.2f %12.2f %7lld\n", static_cast<long long>(bytes),
+                static_cast<long long>(elems), static_cast<long long>(cuda::SiteUnits(sites[0])), calls, us,
+                gus > 0 ? std::to_string(gus).substr(0, std::to_string(gus).find('.') + 3).c_str() : "-", algbw,
+                algbw * 2.0 * (n - 1) / n, static_cast<long long>(wrong));
+    std::fflush(stdout);
+    if (wrong) rc = 1;
+  }
+  FreeRanks(ranks);
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int ngpu = 0;
+  CK(cudaGetDeviceCount(&ngpu));
+  if (ngpu < 1) { std::printf("no CUDA device\n"); return 2; }
+  bool bench = false, quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--bench") bench = true;
+    if (std::string(argv[i]) == "--quick") quick = true;
+  }
+  if (bench) return Bench(argc, argv, ngpu);
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# jax_blink CUDA executor self-test: %d x %s; %s\n", ngpu, prop.name, cuda::Version());
+  if (!(quick && ngpu >= 2)) {
+    for (const Case& c : OneGpuCases(quick)) RunCase(c);
+    if (!quick) {
+      RunChained("1gpu 2r 1000 chained calls s32 (stream)", {0, 0}, 4099, 1000, false);
+      RunChained("1gpu 4r 1000 chained calls s32 (stream)", {0, 0, 0, 0}, 1 << 16, 1000, false);
+      RunChained("1gpu 2r 1000 chained calls s32 (CUDA graph)", {0, 0}, 4099, 1000, true);
+      RunSkipped("1gpu 3r rank 1 skips a call -> time-out record", {0, 0, 0}, 1);
+    }
+  }
+  if (ngpu >= 2) {
+    for (const Case& c : TwoGpuCases(quick)) RunCase(c);
+    RunChained("2gpu 1000 chained calls s32 64 KiB (stream)", {0, 1}, 1 << 14, 1000, false);
+    if (!quick) {
+      RunChained("2gpu 1000 chained calls s32 4 MiB (stream)", {0, 1}, 1 << 20, 1000, false);
+      RunChained("2gpu 1000 chained calls s32 64 KiB (CUDA graph)", {0, 1}, 1 << 14, 1000, true);
+      RunSkipped("2gpu rank 1 skips a call -> time-out record", {0, 1}, 1);
+      RunSkipped("2gpu rank 0 skips a call -> time-out record", {0, 1}, 0);
+    }
+  } else {
+    std::printf("# only one GPU: the 2-GPU tests are skipped\n");
+  }
+  std::printf("# %d passed, %d failed\n", g_passes, g_failures);
+  cuda::ReleaseAll();
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call of the GPU machine: build, self-test, test suite, benchmark. Run from the repo root;
+# writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
+# (the device image has none): see README "GPU machines".
+#   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"build selftest tests bench"}
+BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+log() { echo "=== $*" | tee -a "$OUT/session.log"; }
+log "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+for step in $STEPS; do
+  case $step in
+    build)
+      log build
+      python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
+        > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
+    selftest)
+      log selftest
+      nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o /tmp/selftest \
+        > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
+      timeout 200 /tmp/selftest 2>&1 | tee "$OUT/selftest.log" | tail -40
+      timeout 120 /tmp/selftest --bench 2>&1 | tee "$OUT/selftest_bench.log" | tail -30 ;;
+    tests)
+      log tests
+      timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    bench)
+      log bench
+      timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  esac
+done

@@ -641,7 +641,9 @@ int Bench(int argc, char** argv, int ngpu) {
   std::vector<Rank> ranks = MakeRanks(devices, max_bytes);
   // in_r[i] = (i % 7) + r: the sum 2 (i % 7) + 1 is exact in every float type.
   {
-    std::vector<uint8_t> h(std::min<int64_t>(max_bytes, 64 << 20));
+    // A whole number of periods of 7 elements per host block, so that every block repeats the
+    // pattern at the right phase.
+    std::vector<uint8_t> h(std::min<int64_t>(max_bytes, int64_t{7} << 22));  // 7 * 2^22 / es elements
     const int64_t he = h.size() / es;
     for (int r = 0; r < n; ++r) {
       for (int64_t i = 0; i < he; ++i) Put(dtype, h.data(), i, static_cast<double>(i % 7 + r));

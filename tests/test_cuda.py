@@ -201,6 +201,9 @@ def test_skipped_rank_times_out_then_reset():
     mesh = _mesh()
     # check_vma=False: the two branches differ in replication (the call's result is psum-like).
     f = jax.jit(jax.shard_map(skipping, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    # Both ranks meet once, so that the communicator exists (a rank missing at set-up is a host-side
+    # error instead, tested by the CPU suite's rendezvous); then rank 1 skips a call.
+    _run(full, x)
     jax.block_until_ready(f(x))  # the kernel times out on the device; nothing raises yet
     with pytest.raises(Exception, match="timed out|gave up"):
         _run(full, x)  # the next call on a failed GPU raises with the recorded message

@@ -31,6 +31,9 @@ for step in $STEPS; do
     tests)
       log tests
       timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    overhead)
+      log overhead
+      timeout 120 python3 benchmarks/xla_call_overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -8 ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -7,6 +7,10 @@ import importlib
 import jax
 
 TARGET = "jax_blink_collective"
+#: The same collective through a handler that claims XLA's command-buffer trait, so that XLA may
+#: capture it in a CUDA graph with its neighbours (``config.command_buffers``). On CPU it is the
+#: plain handler under a second name.
+TARGET_CB = "jax_blink_collective_cb"
 
 # XLA's platform names for the handlers of each compiled module.
 _MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
@@ -31,8 +35,13 @@ def register(platform: str) -> bool:
     if mod is None:
         return False
     xla_platform = _MODULES[platform][1]
-    for target, capsule in mod.registrations().items():
-        jax.ffi.register_ffi_target(target, capsule, platform=xla_platform)
+    plain = mod.registrations()
+    try:
+        graph = mod.registrations(command_buffers=True)
+    except TypeError:  # this executor has one handler only
+        graph = plain
+    jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
+    jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
     return True
 
 

@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import collectives
+from .options import config
 
 _TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3, "float64": 1e-12}
 
@@ -43,10 +44,27 @@ def sizes(begin: int, end: int, factor: int) -> list[int]:
     return out
 
 
-def _chained(fn, mesh, axis: str, k: int):
+class _Overrides:
+    """Set ``config`` fields while a function is traced (options are read at trace time)."""
+
+    def __init__(self, **kw):
+        self.kw, self.saved = kw, {}
+
+    def __enter__(self):
+        for k, v in self.kw.items():
+            self.saved[k] = getattr(config, k)
+            setattr(config, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(config, k, v)
+
+
+def _chained(fn, mesh, axis: str, k: int, **overrides):
     def body(v):
-        for _ in range(k):
-            v = fn(v, axis)
+        with _Overrides(**overrides):
+            for _ in range(k):
+                v = fn(v, axis)
         return v
     spec = P(axis)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -78,8 +96,16 @@ def _check(mesh, axis, x) -> int:
     return int(wrong.sum())
 
 
+def _time_or_error(fn, x, runs: int) -> float:
+    try:
+        return _time(fn, x, runs)
+    except Exception as e:  # noqa: BLE001 (a variant that cannot run is reported, not fatal)
+        print(f"#   variant failed: {str(e).splitlines()[0][:200]}")
+        return float("nan")
+
+
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
-        out_dir: str | None, kind: str | None) -> list[dict]:
+        out_dir: str | None, kind: str | None, command_buffers: bool = False) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -89,12 +115,15 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     sharding = NamedSharding(mesh, P("x"))
     ours_fn = _chained(lambda v, a: collectives.all_reduce(v, a), mesh, "x", k)
     psum_fn = _chained(lambda v, a: lax.psum(v, a), mesh, "x", k)
+    cb_fn = (_chained(lambda v, a: collectives.all_reduce(v, a), mesh, "x", k, command_buffers=True)
+             if command_buffers else None)
     rng = np.random.default_rng(0)
     rows = []
     print(f"# jax_blink.bench: all_reduce vs lax.psum, {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}")
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
-          f"{'psum(us)':>10} {'p.busbw':>8} {'speedup':>8} {'#wrong':>7}")
+          f"{'psum(us)':>10} {'p.busbw':>8} {'speedup':>8} {'#wrong':>7}"
+          + (f" {'cb(us)':>9}" if command_buffers else ""))
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
@@ -103,16 +132,19 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             wrong = _check(mesh, "x", x)
             t_ours = _time(ours_fn, x, runs) / k
             t_psum = _time(psum_fn, x, runs) / k
+            t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
             size = count * jnp.dtype(dtype).itemsize
             bus = 2 * (n - 1) / n
             row = dict(size=size, count=count, dtype=dtype, n=n,
                        time_us=t_ours * 1e6, algbw=size / t_ours / 1e9, busbw=size / t_ours / 1e9 * bus,
                        psum_time_us=t_psum * 1e6, psum_algbw=size / t_psum / 1e9,
-                       psum_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong)
+                       psum_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
+                       cb_time_us=t_cb * 1e6)
             rows.append(row)
             print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['psum_time_us']:>10.1f} {row['psum_busbw']:>8.2f} "
-                  f"{row['speedup']:>8.2f} {wrong:>7}", flush=True)
+                  f"{row['speedup']:>8.2f} {wrong:>7}"
+                  + (f" {row['cb_time_us']:>9.1f}" if cb_fn else ""), flush=True)
     if out_dir:
         kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
         stem = os.path.join(out_dir, f"allreduce-{kind}-{_dt.date.today().isoformat()}")
@@ -139,9 +171,11 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--runs", type=int, default=5, help="timed runs per size (default 5)")
     ap.add_argument("-o", "--out", default=None, help="folder for the CSV/JSON table")
     ap.add_argument("--kind", default=None, help="device kind for the file name")
+    ap.add_argument("--command-buffers", action="store_true",
+                    help="also time the handler that XLA may capture in CUDA graphs (column cb)")
     a = ap.parse_args(argv)
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind)
+               a.runs, a.out, a.kind, a.command_buffers)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

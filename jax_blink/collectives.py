@@ -181,7 +181,8 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     rank = lax.axis_index(axes if len(axes) > 1 else axes[0]).astype(jnp.int32)
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
-    call = jax.ffi.ffi_call(_backends.TARGET, result_type, has_side_effect=True)
+    target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=True)
     return call(flat, rank, _group_index(axes), program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)))

@@ -2,6 +2,8 @@
 
 ``JAX_BLINK_TIMEOUT_S``   budget of every wait inside a collective (default 10 s)
 ``JAX_BLINK_CHUNK_BYTES`` pipelining chunk (default: the schedule's)
+``JAX_BLINK_COMMAND_BUFFERS`` ``1``: lower to the handler that XLA may capture in CUDA graphs
+                          (the first call of each call site must run uncaptured)
 ``JAX_BLINK_FALLBACK``    ``warn`` (default): use ``lax`` collectives with one warning where no
                           executor can run (no peer access, no CUDA build); ``raise``: refuse;
                           ``silent``: fall back without a word.
@@ -19,6 +21,7 @@ class Options:
     timeout_s: float = 10.0
     chunk_bytes: int | None = None
     fallback: str = "warn"
+    command_buffers: bool = False
 
     def validate(self) -> None:
         if not self.timeout_s > 0:
@@ -35,6 +38,8 @@ def _from_env() -> Options:
         o.timeout_s = float(os.environ["JAX_BLINK_TIMEOUT_S"])
     if "JAX_BLINK_CHUNK_BYTES" in os.environ:
         o.chunk_bytes = int(os.environ["JAX_BLINK_CHUNK_BYTES"])
+    if "JAX_BLINK_COMMAND_BUFFERS" in os.environ:
+        o.command_buffers = os.environ["JAX_BLINK_COMMAND_BUFFERS"].lower() in ("1", "true", "yes")
     if "JAX_BLINK_FALLBACK" in os.environ:
         o.fallback = os.environ["JAX_BLINK_FALLBACK"]
     o.validate()

@@ -1,0 +1,76 @@
+"""What XLA spends per custom call on one device, with and without command buffers.
+
+Chains K calls of our target with a one-rank program (the kernel only copies 1 KiB: its own time
+is a few microseconds) inside one jitted program, next to K chained tiny XLA ops (kept apart by
+optimization barriers), and prints the time per call of each. The difference to the kernel's own
+time in the CUDA self-test is XLA's launch path: the floor of any custom-call collective.
+
+    python benchmarks/xla_call_overhead.py [--k 20] [--runs 20]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_blink import _backends, schedule
+
+
+def _timeit(fn, x, runs):
+    fn(x).block_until_ready()
+    fn(x).block_until_ready()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--elems", type=int, default=256)
+    a = ap.parse_args()
+    platform = jax.default_backend()
+    if not _backends.register("gpu" if platform == "gpu" else "cpu"):
+        raise SystemExit(f"no jax_blink executor for {platform}")
+    program = schedule.encode(schedule.Schedule(1, a.elems, a.elems, ()))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
+
+    def chain(target):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
+
+        def body(v):
+            for i in range(a.k):
+                v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                         comm_id=np.int64(10_000_000 + 1000 * hash(target) % 1000 + i),
+                         timeout_ms=np.int64(10_000))
+            return v
+        return jax.jit(body)
+
+    def xla_ops(v):
+        for _ in range(a.k):
+            v = lax.optimization_barrier(v * 1.0001)
+        return v
+
+    rows = [("XLA elementwise op", jax.jit(xla_ops)),
+            ("jax_blink custom call (plain)", chain(_backends.TARGET)),
+            ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.k} chained calls, median of {a.runs}")
+    for name, fn in rows:
+        try:
+            t = _timeit(fn, x, a.runs) / a.k
+            print(f"{name:>42}: {t * 1e6:8.2f} us per call")
+        except Exception as e:  # noqa: BLE001
+            print(f"{name:>42}: failed: {str(e).splitlines()[0][:160]}")
+
+
+if __name__ == "__main__":
+    main()

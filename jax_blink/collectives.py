@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, schedule as _schedule
+from . import _backends, schedule as _schedule, tuning
 from .options import config
 from .topology import Topology
 from .treegen import plan as _plan
@@ -85,6 +85,28 @@ def _platform() -> str:
         pass
     p = p or jax.default_backend()
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def _device_kind() -> str | None:
+    try:
+        kind = jax.sharding.get_abstract_mesh().device_kind
+    except Exception:
+        kind = None
+    if not kind:
+        try:
+            kind = jax.devices()[0].device_kind
+        except Exception:
+            kind = None
+    return kind
+
+
+def _use_lax(n: int, nbytes: int) -> bool:
+    """Whether this call goes to XLA's own collective (``config.dispatch``, ``tuning``)."""
+    if config.dispatch == "lax":
+        return True
+    if config.dispatch == "blink":
+        return False
+    return tuning.prefer_lax(_device_kind(), n, nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,13 +225,17 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
 
     Call inside ``jax.shard_map`` or ``jax.pmap``. ``topology`` overrides discovery (its device
     count must equal the axis size); ``method`` picks the tree-packing solver ("exact" or "mwu").
+    Where XLA's own collective was measured faster for this size on this machine
+    (:mod:`jax_blink.tuning`), the call goes to ``lax`` (``config.dispatch`` changes that).
     """
     _check_dtype(x)
     opcode = _check_op(op)
     axes = _axes(axis_name)
     n = _axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_reduce"):
+    if n == 1 or x.size == 0 or _use_lax(n, x.size * np.dtype(x.dtype).itemsize):
+        return lax_fn(x, axes)
+    if not _executor_ready(_platform(), "all_reduce"):
         return lax_fn(x, axes)
 
     @jax.custom_vjp

@@ -20,6 +20,17 @@ DEVICES = jax.devices()
 N = len(DEVICES)
 pytestmark = pytest.mark.skipif(N < 2, reason="needs 2+ devices")
 
+
+
+@pytest.fixture(autouse=True)
+def _always_the_executor():
+    """These tests are about the executor: no size dispatch to lax (jax_blink.tuning)."""
+    old = jax_blink.config.dispatch
+    jax_blink.config.dispatch = "blink"
+    yield
+    jax_blink.config.dispatch = old
+
+
 TOL = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2, "float16": 2e-3, "int32": 0, "int64": 0}
 
 
@@ -293,3 +304,27 @@ def test_bf16_accumulates_in_float32():
     ours = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
     want = np.asarray(x).astype(np.float64).sum(0)
     np.testing.assert_allclose(np.asarray(ours).astype(np.float64)[0], want, rtol=8e-3)
+
+
+def test_dispatch_picks_lax_or_the_executor():
+    from jax_blink import tuning
+
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, np.ones((N, 8), np.float32), P("x"))
+
+    def lowered():  # a new function each time: options are read when jit traces, and jit caches
+        f = jax.shard_map(lambda v: jax_blink.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        return jax.jit(f).lower(x).as_text()
+
+    old = jax_blink.config.dispatch
+    try:
+        jax_blink.config.dispatch = "lax"
+        assert "jax_blink_collective" not in lowered()
+        jax_blink.config.dispatch = "blink"
+        assert "jax_blink_collective" in lowered()
+    finally:
+        jax_blink.config.dispatch = old
+    # The measured table: on 2 H200s small calls go to psum, 64 MiB to the executor.
+    assert tuning.prefer_lax("NVIDIA H200", 2, 4096)
+    assert not tuning.prefer_lax("NVIDIA H200", 2, 64 << 20)
+    assert not tuning.prefer_lax("some other GPU", 2, 4096)

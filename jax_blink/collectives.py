@@ -216,6 +216,13 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
+def _with_lax_gradient(forward, reference, x):
+    """``forward(x)``, differentiated as ``reference`` (the ``lax`` expression it equals) is."""
+    f = jax.custom_vjp(forward)
+    f.defvjp(lambda v: (forward(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+    return f(x)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public collectives.
 
@@ -238,20 +245,12 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     if not _executor_ready(_platform(), "all_reduce"):
         return lax_fn(x, axes)
 
-    @jax.custom_vjp
     def f(v):
         out_type = _replicated_type(v.reshape(-1), axes)
         return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    def fwd(v):
-        return f(v), v
-
-    def bwd(v, g):
-        return jax.vjp(lambda u: lax_fn(u, axes), v)[1](g)
-
-    f.defvjp(fwd, bwd)
-    return f(x)
+    return _with_lax_gradient(f, lambda u: lax_fn(u, axes), x)
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -269,14 +268,12 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
     if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast"):
         return reference(x)
 
-    @jax.custom_vjp
     def f(v):
         out_type = _replicated_type(v.reshape(-1), axes)
         return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
-    return f(x)
+    return _with_lax_gradient(f, reference, x)
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -298,15 +295,13 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
     if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce"):
         return reference(x)
 
-    @jax.custom_vjp
     def f(v):
         out = _collective_call(v.reshape(-1), axes, "reduce", op=op, root=root,
                                topology=topology, method=method).reshape(v.shape)
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
-    return f(x)
+    return _with_lax_gradient(f, reference, x)
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -325,7 +320,6 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
     if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_gather"):
         return reference(x)
 
-    @jax.custom_vjp
     def f(v):
         idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
         buf = jnp.zeros((n, v.size), v.dtype)
@@ -339,8 +333,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
-    return f(x)
+    return _with_lax_gradient(f, reference, x)
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -363,7 +356,6 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
     if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce_scatter"):
         return reference(x)
 
-    @jax.custom_vjp
     def f(v):
         blocks = jnp.moveaxis(v, d, 0)
         block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
@@ -374,8 +366,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    f.defvjp(lambda v: (f(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
-    return f(x)
+    return _with_lax_gradient(f, reference, x)
 
 
 # ---------------------------------------------------------------------------------------------

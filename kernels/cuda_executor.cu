@@ -6,43 +6,68 @@
 // loading on one GPU while a kernel spins on another has deadlocked others) and fixes the grid G.
 // A *site* is one lowered call site (comm_id) on a communicator: per rank one block of device
 // memory on that rank's GPU holding its call counters, its inbox of flags, its pointer table and
-// its read-only plan. Nothing is staged: peers' buffers are read in place over peer access.
+// its read-only plan. Nothing is staged: data moves between the ranks' own buffers, by remote
+// WRITES (push) wherever the tree allows it, by in-place remote reads (pull) elsewhere.
 //
 // ## One call of rank r = one kernel launch (no host sync, no host rendezvous)
 // The executor splits every tree's segment into *pieces* (units; <= the program's chunk, enough of
 // them to fill the grid), interleaved across trees; unit u is played by block u % G on EVERY
 // rank (the same mapping everywhere). Block b keeps its own call counter k (blk_seq[b] + 1,
 // stored back at its end: graph replays stay right, no host state per call). Block 0 first
-// publishes r's (in, out) pointers into every peer's pointer table, then a release flag = k.
+// publishes r's (in, out) pointers into every peer's pointer table (slot k & 1), then a release
+// flag = k; a peer that sees it knows that r's kernel of call k runs, so XLA is done with r's
+// buffers' previous use (stream order) and r's `out` may be written.
+// Push or pull, per tree edge (child c, parent p) of a tree with a reduce phase: c PUSHES when
+// it is p's only child (set-up: TreeRank.push_up / kid_push) and p's in != out in this call (c
+// reads that from p's published pointers, p knows it locally: both ends decide the same way);
+// otherwise p PULLS (reads c's `in`, or c's `out` once c's reduce flag says it is ready). A
+// pushed contribution lands in p's `out` at the unit's range, where p then reduces in place
+// (out = in op out); with in == out that would clobber p's input, hence the pull fallback.
+// The broadcast always pushes: a parent writes the final unit into each child's `out` (disjoint
+// regions, any number of children) and release-flags it.
 // Each block then runs three passes over its units:
-//   reduce pass   (tree has reduce): a leaf does nothing (its parent reads its `in` in place; in
-//                 a reduce-only tree it copies in->out locally); otherwise wait for each non-leaf
-//                 child's reduce flag, out = in op child_0 op child_1 ... (children ascending,
-//                 reading a leaf child's `in` and others' `out`), then signal the parent (reduce);
-//                 a root with a broadcast phase signals its children (broadcast: final now); in a
-//                 reduce-only tree also signal the children (reduce: "done reading you").
-//   broadcast pass (tree has broadcast, rank is not the root): wait for the parent's broadcast
-//                 flag (none when the parent is the root of a broadcast-only tree: its `in` is
-//                 read in place), out = parent's buffer, signal children (data) and parent ("done").
-//                 The root of a broadcast-only tree copies in->out locally.
-//   exit pass     a rank returns only when nobody reads its buffers any more: with a broadcast
-//                 phase, wait for every child's broadcast flag (the parent's reads of this rank
-//                 are over before the parent broadcast, which this rank waited for); in a
-//                 reduce-only tree, wait for the parent's reduce flag.
+//   reduce pass   step (R, u), tree has reduce. A pushing child: wait for p's pointers, write its
+//                 result (a leaf: its `in`; else in op its children) into p's `out`, signal p
+//                 (reduce). A pulled leaf does nothing (in a reduce-only tree: out = in locally);
+//                 a pulled non-leaf computes its partial result into its own `out` and signals p.
+//                 A parent: wait for the pushing child's flag, or for each pulled non-leaf
+//                 child's flag, then out = in op child_0 op child_1 ... (children ascending);
+//                 a root with a broadcast phase writes the final unit into its `out` AND every
+//                 child's `out` in the same pass (one read), then signals the children
+//                 (broadcast); in a reduce-only tree a parent signals the children it pulled
+//                 (reduce: "done reading you").
+//   broadcast pass step (B, u), tree has broadcast, not the root of a tree with reduce: wait for
+//                 the parent's broadcast flag (the data is in `out` then), push `out` into every
+//                 child's `out`, signal them. The root of a broadcast-only tree: out = in locally
+//                 (unless in == out) and pushes `in` into its children's `out`.
+//   exit pass     a rank returns only when nobody touches its buffers any more. Writes into a
+//                 rank's buffers are always followed by a flag that the rank itself waits for
+//                 (the pushed contribution: p's reduce wait; the broadcast: c's broadcast wait),
+//                 and every pull of a child in a tree with broadcast precedes the broadcast that
+//                 the child waits for. So only a pulled child of a reduce-only tree waits here,
+//                 for its parent's "done reading you".
 // Elements outside every segment get out = in (local copy, spread over the grid).
 //
 // ## Flags and memory order (device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
 // waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
 // call number k (32-bit, only grows: a flag of call k-1 never satisfies a wait of call k).
-// Producer: all threads store; __syncthreads(); thread 0 st.release.sys flag. Consumer: thread 0
-// ld.acquire.sys until == k; __syncthreads(); all threads load (peer data with ld.global.cg).
-// Seeing a flag PAST k means the producer ran more calls of this site than this rank: the
-// protocol rules that out between ranks running the same calls (a producer never finishes call
-// k before this rank signalled it in call k: see the exit pass), so it is reported as a mismatch.
-// The same argument makes a single pointer slot per peer safe: a block reads a peer's pointers
-// (after its flag == k) only when it reads that peer's data, and then the peer cannot finish
-// call k, nor publish call k+1, before this block signalled it.
+// Producer: all threads store (local or, for a push, into the peer's memory); __syncthreads();
+// thread 0 st.release.sys flag (cumulative: the block's stores, remote ones included, are visible
+// before the flag). Consumer: thread 0 ld.acquire.sys until == k; __syncthreads(); all threads
+// load with ld.global.cg (a peer's buffer, or this rank's own buffer written by a peer: never a
+// stale L1 line).
+// Neighbours stay within one call: for every tree edge (with units), each end needs the other's
+// call k in call k (a parent reads its child's pointers to pull or to broadcast, or waits for its
+// pushed flag; a child waits for the broadcast, for "done reading you", or reads the parent's
+// pointers to push), so a neighbour cannot finish call k+1 before this rank started call k+1:
+// while this rank runs call k, its neighbours run k or k+1. Hence (a) two pointer slots per peer
+// (by call parity) suffice: slot k & 1 is not overwritten before this rank leaves call k, even
+// when, as a pulled child, it reads its parent's pointers only to learn the mode, with no flag
+// back; (b) an inbox flag PAST k cannot happen between ranks that run the same calls: a producer
+// signals (R, u) / (B, u) of call k+1 only after it read this rank's call-(k+1) pointers, or
+// after this rank passed its call-k wait on that slot (the child's next partial after the
+// broadcast / "done" that followed it); so it is reported as a mismatch.
 //
 // ## Why it cannot deadlock
 // (1) Residency: within one launch no block waits on another block of its own grid, and the grid
@@ -50,9 +75,10 @@
 // every device (N ranks sharing one GPU need N * G resident; set-up checks it). So every block
 // of every rank runs to its waits. (2) Order: block b of every rank runs the same steps in the
 // same order: (pass, unit) for the units u = b mod G. A reduce step (R, u) waits only for the
-// children's (R, u) (leaf children: for nothing but their pointers, which block 0 publishes before
-// any wait); a broadcast step (B, u) waits only for the parent's (B, u) (the root's (B, u) is
-// done within its (R, u)); exit waits wait for steps of earlier passes. Take a blocked wait on the
+// children's (R, u) (pulled leaf children: for nothing) and for pointers (children's, and the
+// parent's when pushing), which block 0 publishes before any wait; a broadcast step (B, u) waits
+// only for the parent's (B, u) (the root's (B, u) is done within its (R, u)) and for the
+// children's pointers; exit waits wait for steps of earlier passes. Take a blocked wait on the
 // smallest step key K: its producer's block b is not past K, runs its steps in order and every
 // earlier step of it completes (minimality), so it waits at K itself; within a key the waits
 // follow tree edges in one direction (down for R, up for B), and trees are acyclic (validated by
@@ -131,7 +157,11 @@ struct TreeRank {  // tree t as rank r sees it
   int32_t phases;
   int32_t kid_begin, kid_count;  // into kids[]: rank | (is_leaf << 16), ascending rank
   int32_t leaf;            // no children
-  int32_t read_parent_in;  // parent is the root of a broadcast-only tree: read its `in`
+  int32_t push_up;         // reduce phase, not the root, and the parent's only child: this rank
+                           // pushes its reduce result into the parent's `out` (unless the
+                           // parent's in == out in this call: then the parent pulls)
+  int32_t kid_push;        // reduce phase and exactly one child: that child pushes into `out`
+                           // (unless in == out in this call: then this rank pulls)
 };
 
 struct Params {
@@ -210,63 +240,94 @@ __device__ __forceinline__ Vec<S> as_vec(uint4 u) { Vec<S> r; memcpy(&r, &u, 16)
 template <class S>
 __device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v, 16); return u; }
 
-// out[i] = in[i] op srcs[0][i] op srcs[1][i] ... for i < len (block-wide). 16-byte vectors when
-// every pointer is 16-byte aligned, scalar tail; fully scalar otherwise. out may alias in.
+// The one data mover: acc = in[i] op srcs[0][i] op srcs[1][i] ... (srcs in order); then
+// out[i] = acc (when out != nullptr) and dsts[d][i] = acc for every d (peers' buffers: the push).
+// Block-wide over i < len. Every load is ld.global.cg: `in` and the sources may be a peer's
+// buffer or this rank's buffer written by a peer over NVLink, never to be served from a stale L1
+// line. 16-byte vectors when every pointer is 16-byte aligned, scalar tail; fully scalar
+// otherwise. out may alias in or a source (each element is read before it is written, by the
+// same thread).
 template <class E, class Op>
-__device__ void reduce_range(typename E::S* out, const typename E::S* in,
-                             const typename E::S* const* srcs, int nk, int64_t len) {
+__device__ void combine_range(typename E::S* out, const typename E::S* in, const typename E::S* const* srcs,
+                              int nk, typename E::S* const* dsts, int nd, int64_t len) {
   using S = typename E::S;
   using A = typename E::A;
   constexpr int V = Vec<S>::N;
   uintptr_t bits = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(in);
   for (int j = 0; j < nk; ++j) bits |= reinterpret_cast<uintptr_t>(srcs[j]);
+  for (int j = 0; j < nd; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
   const int64_t nvec = (bits & 15u) == 0 ? len / V : 0;
   const uint4* in4 = reinterpret_cast<const uint4*>(in);
   uint4* out4 = reinterpret_cast<uint4*>(out);
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
-    A acc[kUnroll][V];
+    uint4 res[kUnroll];
+    if (nk == 0) {  // a copy: no conversion (bit-exact, also for NaN payloads)
 #pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      const int64_t j = base + int64_t{r} * kThreads;
-      if (j < nvec) {
-        Vec<S> x = as_vec<S>(in4[j]);
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[r][e] = E::load(x.v[e]);
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) res[r] = __ldcg(in4 + j);
       }
-    }
-    for (int k = 0; k < nk; ++k) {
-      const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k]);
+    } else {
+      A acc[kUnroll][V];
       uint4 raw[kUnroll];
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
         const int64_t j = base + int64_t{r} * kThreads;
-        if (j < nvec) raw[r] = __ldcg(s4 + j);
+        if (j < nvec) raw[r] = __ldcg(in4 + j);
       }
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
-        const int64_t j = base + int64_t{r} * kThreads;
-        if (j < nvec) {
+        Vec<S> x = as_vec<S>(raw[r]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[r][e] = E::load(x.v[e]);
+      }
+      for (int k = 0; k < nk; ++k) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k]);
+#pragma unroll
+        for (int r = 0; r < kUnroll; ++r) {
+          const int64_t j = base + int64_t{r} * kThreads;
+          if (j < nvec) raw[r] = __ldcg(s4 + j);
+        }
+#pragma unroll
+        for (int r = 0; r < kUnroll; ++r) {
           Vec<S> x = as_vec<S>(raw[r]);
 #pragma unroll
           for (int e = 0; e < V; ++e) acc[r][e] = Op::apply(acc[r][e], E::load(x.v[e]));
         }
       }
-    }
 #pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      const int64_t j = base + int64_t{r} * kThreads;
-      if (j < nvec) {
+      for (int r = 0; r < kUnroll; ++r) {
         Vec<S> x;
 #pragma unroll
         for (int e = 0; e < V; ++e) x.v[e] = E::store(acc[r][e]);
-        out4[j] = as_u4<S>(x);
+        res[r] = as_u4<S>(x);
+      }
+    }
+    for (int d = 0; d < nd; ++d) {
+      uint4* d4 = reinterpret_cast<uint4*>(dsts[d]);
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) d4[j] = res[r];
+      }
+    }
+    if (out4 != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) out4[j] = res[r];
       }
     }
   }
   for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) {
-    A a = E::load(in[i]);
-    for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar(srcs[k] + i)));
-    out[i] = E::store(a);
+    S v = ldcg_scalar(in + i);
+    if (nk > 0) {
+      A a = E::load(v);
+      for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar(srcs[k] + i)));
+      v = E::store(a);
+    }
+    for (int d = 0; d < nd; ++d) dsts[d][i] = v;
+    if (out != nullptr) out[i] = v;
   }
 }
 
@@ -303,10 +364,13 @@ struct Shared {
   int fail;         // set by thread 0 when this block stops
   uint64_t have;    // peers whose pointers this block holds
   uint64_t deadline;
+  int nk, nd, work, up;  // the current step: sources, remote destinations, anything to move, push up
+  void* outp;            // the current step's local destination (nullptr: none)
   const uint8_t* pin[kMaxRanks];
   uint8_t* pout[kMaxRanks];
   uint8_t* peer_base[kMaxRanks];
   const void* src[kMaxRanks];  // sources of the current step
+  void* dst[kMaxRanks];        // peers' buffers the current step writes (pushes)
 };
 
 __device__ __forceinline__ uint32_t* inbox_at(const Params& p, uint8_t* base, int src, int phase, int u) {
@@ -367,15 +431,18 @@ __device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int 
   return false;
 }
 
-// Thread 0: make `src`'s pointers of this call available in sh.pin / sh.pout.
+// Thread 0: make `src`'s pointers of this call available in sh.pin / sh.pout. Two slots per
+// peer, by the parity of the call number: a neighbour in a tree is never more than one call
+// ahead of this rank (see the header), so slot k & 1 still holds call k's pointers.
 __device__ bool get_pointers(const Params& p, Shared& sh, int src, int tree, int64_t elem_off) {
   if ((sh.have >> src) & 1u) return true;
-  const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.site + p.off_ptr_flag) + src;
+  const int slot = 2 * src + static_cast<int>(sh.k & 1u);
+  const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.site + p.off_ptr_flag) + slot;
   if (!wait_for(p, sh, flag, src, tree, elem_off, kAtPointers)) return false;
   sh.pin[src] = reinterpret_cast<const uint8_t*>(
-      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_in) + src));
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_in) + slot));
   sh.pout[src] = reinterpret_cast<uint8_t*>(
-      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_out) + src));
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_out) + slot));
   sh.have |= uint64_t{1} << src;
   return true;
 }
@@ -412,15 +479,16 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
   const bool alias = p.in == p.out;
   if (tid == 0) {
     sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
-    if (b == 0) {  // publish this call's pointers into every peer's table, then the flag
+    if (b == 0) {  // publish this call's pointers into every peer's table (slot k & 1), then the flag
+      const int slot = 2 * me + static_cast<int>(sh.k & 1u);
       for (int dst = 0; dst < n; ++dst) {
         if (dst == me) continue;
         uint8_t* base = sh.peer_base[dst];
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + me,
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot,
                                  reinterpret_cast<uint64_t>(p.in));
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + me,
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot,
                                  reinterpret_cast<uint64_t>(p.out));
-        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + me, sh.k);
+        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
       }
     }
   }
@@ -437,77 +505,109 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
     }
   }
 
-  // Reduce pass.
+  // Reduce pass: step (R, u).
   for (int u = b; u < p.nunits; u += p.grid) {
     const Unit un = units[u];
     const TreeRank tr = trees[un.tree];
     if (!(tr.phases & kPhaseReduce)) continue;
-    if (tr.leaf) {  // the parent reads `in` in place; out gets the broadcast, else out = in
-      if ((!(tr.phases & kPhaseBroadcast) || tr.parent < 0) && !alias)  // (a root leaf: 1 rank)
-        copy_range<S, false>(out + un.off, in + un.off, un.len);
-      continue;
-    }
+    const bool bcast = (tr.phases & kPhaseBroadcast) != 0;
+    const bool root = tr.parent < 0;
+    // A leaf that its parent always pulls (the parent has several children): nothing to do here,
+    // the parent reads `in` in place; `out` gets the broadcast.
+    if (tr.leaf && !root && bcast && !tr.push_up) continue;
+    const bool kid_pushes = tr.kid_push && !alias;  // the only child writes into our `out`
     if (tid == 0) {
-      for (int i = 0; i < tr.kid_count; ++i) {
-        const int kid = kids[tr.kid_begin + i] & 0xffff;
-        const bool kid_leaf = (kids[tr.kid_begin + i] >> 16) != 0;
-        if (!get_pointers(p, sh, kid, un.tree, un.off)) break;
-        if (!kid_leaf && !wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce))
-          break;
-        sh.src[i] = (kid_leaf ? sh.pin[kid] : sh.pout[kid]) + un.off * sizeof(S);
+      bool ok = true;
+      int nk = 0, nd = 0;
+      bool up = false;
+      if (!root && tr.push_up) {  // push unless the parent's in == out this call
+        ok = get_pointers(p, sh, tr.parent, un.tree, un.off);
+        up = ok && sh.pin[tr.parent] != sh.pout[tr.parent];
       }
+      if (ok && kid_pushes) {
+        const int kid = kids[tr.kid_begin] & 0xffff;
+        ok = wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce);
+        sh.src[nk++] = out + un.off;  // the child's result, landed in our `out`
+      } else {
+        for (int i = 0; ok && i < tr.kid_count; ++i) {
+          const int kid = kids[tr.kid_begin + i] & 0xffff;
+          const bool kid_leaf = (kids[tr.kid_begin + i] >> 16) != 0;
+          ok = get_pointers(p, sh, kid, un.tree, un.off);
+          if (ok && !kid_leaf) ok = wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce);
+          if (ok) sh.src[nk++] = (kid_leaf ? sh.pin[kid] : sh.pout[kid]) + un.off * sizeof(S);
+        }
+      }
+      if (ok && root && bcast)  // final now: push it into every child's `out`
+        for (int i = 0; ok && i < tr.kid_count; ++i) {
+          const int kid = kids[tr.kid_begin + i] & 0xffff;
+          ok = get_pointers(p, sh, kid, un.tree, un.off);
+          if (ok) sh.dst[nd++] = sh.pout[kid] + un.off * sizeof(S);
+        }
+      if (ok && up) sh.dst[nd++] = sh.pout[tr.parent] + un.off * sizeof(S);
+      // Local `out`: the root's result; every rank's in a reduce-only tree (the semantics); a
+      // non-leaf's partial result when its parent pulls it. Not a copy of `in` onto itself.
+      const bool local = root || !bcast || (!up && !tr.leaf);
+      sh.outp = (local && !(alias && nk == 0)) ? static_cast<void*>(out + un.off) : nullptr;
+      sh.nk = nk;
+      sh.nd = nd;
+      sh.up = up;
+      sh.work = sh.outp != nullptr || nd > 0;
     }
     __syncthreads();
     if (sh.fail) goto done;
-    reduce_range<E, Op>(out + un.off, in + un.off, reinterpret_cast<const S* const*>(sh.src),
-                        tr.kid_count, un.len);
-    __syncthreads();  // every thread's stores (and its reads of sh.src) before the release
+    if (sh.work)
+      combine_range<E, Op>(static_cast<S*>(sh.outp), in + un.off, reinterpret_cast<const S* const*>(sh.src), sh.nk,
+                           reinterpret_cast<S* const*>(sh.dst), sh.nd, un.len);
+    __syncthreads();  // every thread's stores (and its reads of sh.*) before the release
     if (tid == 0) {
-      if (tr.parent >= 0) signal(p, sh, tr.parent, 0, u);
-      const int phase_to_kids = (tr.phases & kPhaseBroadcast) ? (tr.parent < 0 ? 1 : -1) : 0;
-      if (phase_to_kids >= 0)
-        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, phase_to_kids, u);
+      if (!root && (sh.up || !tr.leaf)) signal(p, sh, tr.parent, 0, u);  // pushed / partial ready
+      if (root && bcast)
+        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 1, u);
+      if (!bcast && !kid_pushes)  // reduce-only: "done reading you" to the children we pulled
+        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 0, u);
     }
   }
 
-  // Broadcast pass.
+  // Broadcast pass: step (B, u). The parent pushed into our `out`; pass it on to the children.
   for (int u = b; u < p.nunits; u += p.grid) {
     const Unit un = units[u];
     const TreeRank tr = trees[un.tree];
     if (!(tr.phases & kPhaseBroadcast)) continue;
-    if (tr.parent < 0) {  // root: final already (reduce), or out = in (children read `in`)
-      if (!(tr.phases & kPhaseReduce) && !alias) copy_range<S, false>(out + un.off, in + un.off, un.len);
-      continue;
-    }
+    const bool root = tr.parent < 0;
+    if (root && (tr.phases & kPhaseReduce)) continue;  // pushed in its reduce step
     if (tid == 0) {
-      if (get_pointers(p, sh, tr.parent, un.tree, un.off) &&
-          (tr.read_parent_in ||
-           wait_for(p, sh, inbox_at(p, p.site, tr.parent, 1, u), tr.parent, un.tree, un.off, kAtBroadcast)))
-        sh.src[0] = (tr.read_parent_in ? sh.pin[tr.parent] : sh.pout[tr.parent]) + un.off * sizeof(S);
+      bool ok = root || wait_for(p, sh, inbox_at(p, p.site, tr.parent, 1, u), tr.parent, un.tree, un.off, kAtBroadcast);
+      int nd = 0;
+      for (int i = 0; ok && i < tr.kid_count; ++i) {
+        const int kid = kids[tr.kid_begin + i] & 0xffff;
+        ok = get_pointers(p, sh, kid, un.tree, un.off);
+        if (ok) sh.dst[nd++] = sh.pout[kid] + un.off * sizeof(S);
+      }
+      // The root of a broadcast-only tree: out = in (and in goes to the children).
+      sh.outp = (root && !alias) ? static_cast<void*>(out + un.off) : nullptr;
+      sh.nd = nd;
+      sh.work = sh.outp != nullptr || nd > 0;
     }
     __syncthreads();
     if (sh.fail) goto done;
-    copy_range<S, true>(out + un.off, static_cast<const S*>(sh.src[0]), un.len);
+    if (sh.work)
+      combine_range<E, Op>(static_cast<S*>(sh.outp), (root ? in : out) + un.off, nullptr, 0,
+                           reinterpret_cast<S* const*>(sh.dst), sh.nd, un.len);
     __syncthreads();
-    if (tid == 0) {
+    if (tid == 0)
       for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 1, u);
-      signal(p, sh, tr.parent, 1, u);  // "done reading you"
-    }
   }
 
-  // Exit pass (thread 0): nobody reads this rank's buffers any more.
+  // Exit pass (thread 0): nobody reads this rank's buffers any more. Only a child of a
+  // reduce-only tree that its parent pulled waits here (for the parent's "done reading you");
+  // with a broadcast phase the broadcast it waited for came after every read of its buffers.
   if (tid == 0) {
     for (int u = b; u < p.nunits && !sh.fail; u += p.grid) {
       const Unit un = units[u];
       const TreeRank tr = trees[un.tree];
-      if (tr.phases & kPhaseBroadcast) {
-        for (int i = 0; i < tr.kid_count; ++i) {
-          const int kid = kids[tr.kid_begin + i] & 0xffff;
-          if (!wait_for(p, sh, inbox_at(p, p.site, kid, 1, u), kid, un.tree, un.off, kAtExit)) break;
-        }
-      } else if (tr.parent >= 0) {
-        wait_for(p, sh, inbox_at(p, p.site, tr.parent, 0, u), tr.parent, un.tree, un.off, kAtExit);
-      }
+      if ((tr.phases & kPhaseBroadcast) || tr.parent < 0) continue;
+      const bool up = tr.push_up && sh.pin[tr.parent] != sh.pout[tr.parent];  // fetched in (R, u)
+      if (!up) wait_for(p, sh, inbox_at(p, p.site, tr.parent, 0, u), tr.parent, un.tree, un.off, kAtExit);
     }
   }
 done:
@@ -767,10 +867,10 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   size_t off = 0;
   auto take = [&](size_t bytes, size_t al) { off = AlignUp(off, al); size_t o = off; off += bytes; return static_cast<uint32_t>(o); };
   base.off_blk_seq = take(4u * G, 16);
-  base.off_ptr_flag = take(4u * n, 16);
+  base.off_ptr_flag = take(4u * 2 * n, 16);  // [peer][call parity]
   base.off_abort = take(4u * n, 16);
-  base.off_ptr_in = take(8u * n, 16);
-  base.off_ptr_out = take(8u * n, 16);
+  base.off_ptr_in = take(8u * 2 * n, 16);
+  base.off_ptr_out = take(8u * 2 * n, 16);
   base.off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
   const size_t dyn = AlignUp(off, 128);
   off = dyn;
@@ -814,7 +914,9 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
       for (int c : prog.children(t, r)) kid_list.push_back(c | ((prog.children(t, c).empty() ? 1 : 0) << 16));
       tr.kid_count = static_cast<int32_t>(kid_list.size()) - tr.kid_begin;
       tr.leaf = tr.kid_count == 0;
-      tr.read_parent_in = tr.parent >= 0 && tr.parent == tv.root && !(tv.phases & kPhaseReduce);
+      const bool has_reduce = (tv.phases & kPhaseReduce) != 0;
+      tr.push_up = has_reduce && tr.parent >= 0 && prog.children(t, tr.parent).size() == 1;
+      tr.kid_push = has_reduce && tr.kid_count == 1;
     }
     if (ntrees > 0) std::memcpy(at(base.off_trees), trs.data(), sizeof(TreeRank) * ntrees);
     if (!kid_list.empty()) std::memcpy(at(base.off_kids), kid_list.data(), 4 * kid_list.size());
@@ -1096,6 +1198,6 @@ std::vector<CommInfo> Comms() {
   return out;
 }
 
-const char* Version() { return "jax_blink CUDA executor 0.1.0 (program format v1, in-place peer reads)"; }
+const char* Version() { return "jax_blink CUDA executor 0.2.0 (program format v1, push: remote writes where the tree allows, in-place reads elsewhere)"; }
 
 }  // namespace jax_blink::cuda

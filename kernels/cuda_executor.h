@@ -76,7 +76,7 @@ void ReleaseAll();
 struct CommInfo {
   std::vector<int> devices;
   int blocks = 0;
-  int64_t staging_bytes = 0;  // per device; 0: peers' buffers are read in place
+  int64_t staging_bytes = 0;  // per device; 0: data moves between the ranks' own buffers (push/pull in place)
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
   int num_sites = 0;
 };

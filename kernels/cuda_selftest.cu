@@ -255,6 +255,8 @@ struct Case {
   int blocks = 0;         // 0: chosen from the ranks per GPU
   int64_t min_piece = 8192;
   bool reverse_launch = false;
+  uint64_t alias_ranks = 0;  // these ranks only: in == out (the others not)
+  bool Aliased(int r) const { return alias || ((alias_ranks >> r) & 1u); }
 };
 
 int BlocksFor(const std::vector<int>& devices, int want) {
@@ -293,7 +295,7 @@ bool RunCase(const Case& c) {
     }
     CK(cudaSetDevice(ranks[r].device));
     CK(cudaMemcpy(ranks[r].in, host[r].data(), bytes, cudaMemcpyHostToDevice));
-    if (c.alias) { CK(cudaFree(ranks[r].out)); ranks[r].out = ranks[r].in; }
+    if (c.Aliased(r)) { CK(cudaFree(ranks[r].out)); ranks[r].out = ranks[r].in; }
     else CK(cudaMemset(ranks[r].out, 0xFF, bytes));  // NaN / -1 poison
   }
   auto t0 = std::chrono::steady_clock::now();
@@ -306,7 +308,7 @@ bool RunCase(const Case& c) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (err.empty()) err = AnyDeviceError();
   if (!err.empty()) {
-    if (c.alias) for (Rank& r : ranks) r.out = nullptr;
+    for (int r = 0; r < n; ++r) if (c.Aliased(r)) ranks[r].out = nullptr;
     Report(false, c.name, err);
     cuda::ResetAll();
     for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; CK(cudaFree(r.in)); r.in = nullptr; CK(cudaStreamDestroy(r.stream)); }
@@ -342,7 +344,7 @@ bool RunCase(const Case& c) {
     for (int r = 1; r < n; ++r)
       if (std::memcmp(got[r].data() + t.off * es, got[0].data() + t.off * es, t.len * es) != 0) ++differ;
   }
-  if (c.alias) for (Rank& r : ranks) r.out = nullptr;
+  for (int r = 0; r < n; ++r) if (c.Aliased(r)) ranks[r].out = nullptr;
   for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; }
   for (Rank& r : ranks) { CK(cudaFree(r.in)); CK(cudaStreamDestroy(r.stream)); }
   char detail[256];
@@ -360,7 +362,10 @@ bool RunCase(const Case& c) {
 // Chained calls: int32 sums, out of call i is the input of call i+1 (ping-pong), exact with
 // wrap-around: after call 1 every rank holds S = sum of inputs; after call j, n^(j-1) * S.
 
-bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph) {
+// switch_alias (stream mode only): rank 0 runs every third call in place (in == out), so its
+// parent-side pull/push choice changes from call to call while its peers stay out of place.
+bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph,
+                bool switch_alias = false) {
   const int n = static_cast<int>(devices.size());
   auto trees = SplitStars(n, total, 4);
   if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
@@ -384,6 +389,8 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
   }
   float ms = 0;
   int done_calls = 0;
+  std::vector<uint8_t*> cur(n);  // where each rank's current value is (stream mode)
+  for (int r = 0; r < n; ++r) cur[r] = ranks[r].in;
   cudaEvent_t e0, e1;
   CK(cudaSetDevice(devices[0]));
   CK(cudaEventCreate(&e0));
@@ -392,9 +399,10 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
     CK(cudaEventRecord(e0, ranks[0].stream));
     for (int i = 0; i < calls && err.empty(); ++i)
       for (int r = 0; r < n && err.empty(); ++r) {
-        const bool even = i % 2 == 0;
-        err = cuda::Launch(sites[r], DType::kS32, 0, even ? ranks[r].in : ranks[r].out,
-                           even ? ranks[r].out : ranks[r].in, ranks[r].stream, 5000);
+        uint8_t* src = cur[r];
+        uint8_t* dst = (switch_alias && r == 0 && i % 3 == 1) ? src : (src == ranks[r].in ? ranks[r].out : ranks[r].in);
+        err = cuda::Launch(sites[r], DType::kS32, 0, src, dst, ranks[r].stream, 5000);
+        cur[r] = dst;
       }
     done_calls = calls;
     CK(cudaSetDevice(devices[0]));
@@ -441,7 +449,8 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
     std::vector<int32_t> got(total);
     for (int r = 0; r < n; ++r) {
       CK(cudaSetDevice(devices[r]));
-      CK(cudaMemcpy(got.data(), done_calls % 2 ? ranks[r].out : ranks[r].in, bytes, cudaMemcpyDeviceToHost));
+      uint8_t* at = graph ? (done_calls % 2 ? ranks[r].out : ranks[r].in) : cur[r];
+      CK(cudaMemcpy(got.data(), at, bytes, cudaMemcpyDeviceToHost));
       for (int64_t i = 0; i < total; ++i) wrong += static_cast<uint32_t>(got[i]) != want[i];
     }
   } else {
@@ -583,6 +592,32 @@ std::vector<Case> OneGpuCases(bool quick) {
   cs.push_back({"1gpu 3r in==out reduce-only + bcast-only", same(3), DType::kF32, 0, 9000, 512,
                 {{0, 1, 0, 4500, {-1, 0, 1}}, {2, 2, 4500, 4500, {2, 0, -1}}}, true});
   cs.back().min_piece = 256;
+  // Push path (a parent with one child in the reduce phase) and its fallbacks to pull.
+  cs.push_back({"1gpu 2r star-split push, rank 0 in==out only (root pulls)", same(2), DType::kF32, 0, 100000, 4096,
+                SplitStars(2, 100000, 4)});
+  cs.back().alias_ranks = 1;
+  cs.back().min_piece = 4096;
+  cs.push_back({"1gpu 2r star-split push, rank 1 in==out only", same(2), DType::kBF16, 0, 100001, 4096,
+                SplitStars(2, 100001, 2), false, true});
+  cs.back().alias_ranks = 2;
+  cs.back().min_piece = 4096;
+  cs.push_back({"1gpu 4r chain push all the way, ranks 1,2 in==out", same(4), DType::kS32, 0, 77777, 2048,
+                {{0, 3, 0, 77777, ChainParents(4, 0)}}});
+  cs.back().alias_ranks = 6;
+  cs.back().min_piece = 2048;
+  // Rank 1 is 0's only child (pushes up), and pulls its own two children; rank 3 aliases.
+  cs.push_back({"1gpu 4r push above a multi-child pull, rank 3 in==out", same(4), DType::kF32, 2, 65536, 2048,
+                {{0, 3, 0, 65536, {-1, 0, 1, 1}}}});
+  cs.back().alias_ranks = 8;
+  cs.back().min_piece = 2048;
+  cs.push_back({"1gpu 4r reduce-only chain (push), rank 1 in==out", same(4), DType::kS64, 0, 40000, 1024,
+                {{2, 1, 0, 40000, ChainParents(4, 2)}}});
+  cs.back().alias_ranks = 2;
+  cs.back().min_piece = 1024;
+  cs.push_back({"1gpu 3r reduce-only star (pull) + broadcast-only chain, mixed in==out", same(3), DType::kF32, 0,
+                20000, 512, {{1, 1, 0, 10000, StarParents(3, 1)}, {0, 2, 10000, 10000, ChainParents(3, 0)}}});
+  cs.back().alias_ranks = 5;
+  cs.back().min_piece = 512;
   // Degenerate programs.
   cs.push_back({"1gpu 2r empty segment + gap only tail", same(2), DType::kF32, 0, 1000, 64,
                 {{0, 3, 0, 0, StarParents(2, 0)}, {1, 3, 16, 900, StarParents(2, 1)}}});
@@ -610,6 +645,12 @@ std::vector<Case> TwoGpuCases(bool quick) {
   cs.push_back({"2gpu single tree root 1 f32 real", dev, DType::kF32, 0, 1 << 20, 1 << 16,
                 {{1, 3, 0, 1 << 20, StarParents(2, 1)}}, false, true});
   cs.push_back({"2gpu in==out star-split f32", dev, DType::kF32, 0, 1 << 18, 1 << 16, SplitStars(2, 1 << 18, 4), true});
+  cs.push_back({"2gpu star-split push, rank 0 in==out only f32", dev, DType::kF32, 0, 1 << 20, 1 << 16,
+                SplitStars(2, 1 << 20, 4), false, true});
+  cs.back().alias_ranks = 1;
+  cs.push_back({"2gpu star-split push, rank 1 in==out only bf16", dev, DType::kBF16, 0, (1 << 20) + 5, 1 << 16,
+                SplitStars(2, (1 << 20) + 5, 2), false, true});
+  cs.back().alias_ranks = 2;
   cs.push_back({"2gpu broadcast-only root 0 f16", dev, DType::kF16, 0, 1 << 18, 1 << 16,
                 {{0, 2, 0, 1 << 18, StarParents(2, 0)}}});
   cs.push_back({"2gpu reduce-only root 1 f32", dev, DType::kF32, 0, 1 << 18, 1 << 16,
@@ -752,6 +793,8 @@ int main(int argc, char** argv) {
       RunChained("1gpu 2r 1000 chained calls s32 (stream)", {0, 0}, 4099, 1000, false);
       RunChained("1gpu 4r 1000 chained calls s32 (stream)", {0, 0, 0, 0}, 1 << 16, 1000, false);
       RunChained("1gpu 2r 1000 chained calls s32 (CUDA graph)", {0, 0}, 4099, 1000, true);
+      RunChained("1gpu 2r 999 chained calls, rank 0 in place every 3rd", {0, 0}, 4099, 999, false, true);
+      RunChained("1gpu 4r 999 chained calls, rank 0 in place every 3rd", {0, 0, 0, 0}, 1 << 14, 999, false, true);
       RunSkipped("1gpu 3r rank 1 skips a call -> time-out record", {0, 0, 0}, 1);
     }
   }
@@ -761,6 +804,7 @@ int main(int argc, char** argv) {
     if (!quick) {
       RunChained("2gpu 1000 chained calls s32 4 MiB (stream)", {0, 1}, 1 << 20, 1000, false);
       RunChained("2gpu 1000 chained calls s32 64 KiB (CUDA graph)", {0, 1}, 1 << 14, 1000, true);
+      RunChained("2gpu 999 chained calls 4 MiB, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true);
       RunSkipped("2gpu rank 1 skips a call -> time-out record", {0, 1}, 1);
       RunSkipped("2gpu rank 0 skips a call -> time-out record", {0, 1}, 0);
     }

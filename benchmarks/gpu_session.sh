@@ -31,6 +31,12 @@ for step in $STEPS; do
     tests)
       log tests
       timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    sanitizer)
+      log sanitizer
+      for tool in memcheck racecheck; do
+        timeout 150 compute-sanitizer --tool $tool /tmp/selftest --quick > "$OUT/sanitizer-$tool.log" 2>&1
+        echo "$tool rc=$?"; tail -4 "$OUT/sanitizer-$tool.log"
+      done ;;
     overhead)
       log overhead
       timeout 120 python3 benchmarks/xla_call_overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -8 ;;

@@ -21,12 +21,13 @@ class Crossover:
     source: str
 
 
-# benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-run*.csv: float32 and bfloat16, 20 chained
-# calls, median of 5. Below 16 MiB XLA's psum was faster in every run (the executor pays ~30 us per
-# call through XLA's custom-call path); from 64 MiB on the executor was faster but at 1 GiB.
+# benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22.csv (executor 0.2.0): float32 and bfloat16,
+# 20 chained calls, median of 5. Below 16 MiB XLA's psum was faster (the executor pays ~30 us per
+# call through XLA's custom-call path); at 16 MiB they tie (1.01x f32, 1.16x bf16); from 64 MiB to
+# 1 GiB the executor was faster (1.05x-1.16x).
 CROSSOVERS: tuple[Crossover, ...] = (
-    Crossover("NVIDIA H200", 2, 32 << 20, 512 << 20,
-              "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-run1.csv"),
+    Crossover("NVIDIA H200", 2, 16 << 20, None,
+              "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22.csv"),
 )
 
 

@@ -152,16 +152,35 @@ def _check_root(root: int, n: int) -> int:
     return int(root)
 
 
-def _executor_ready(platform: str, what: str) -> bool:
-    """Register the platform's executor; if there is none, fall back as ``config.fallback`` says."""
-    if _backends.register(platform):
+@functools.lru_cache(maxsize=None)
+def _peer_access_problem(n: int) -> str | None:
+    """Which pair of the first ``n`` GPUs lacks peer access (the CUDA executor needs every pair)."""
+    mod = _backends.module("gpu")
+    if mod is None or not hasattr(mod, "can_access_peer"):
+        return None
+    ids = [d.local_hardware_id for d in jax.devices("gpu")[:n]]
+    for a in ids:
+        for b in ids:
+            if a != b and not mod.can_access_peer(a, b):
+                return f"GPU {a} cannot access GPU {b}'s memory (no peer access)"
+    return None
+
+
+def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
+    """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
+    problem = None
+    if not _backends.register(platform):
+        problem = f"no {platform} executor in this build"
+    elif platform == "gpu":
+        problem = _peer_access_problem(n)
+    if problem is None:
         return True
-    msg = (f"jax_blink: no {platform} executor in this build; {what} falls back to XLA's own "
+    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own "
            "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
     if config.fallback == "raise":
         raise RuntimeError(msg)
-    if config.fallback == "warn" and platform not in _warned:
-        _warned.add(platform)
+    if config.fallback == "warn" and problem not in _warned:
+        _warned.add(problem)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return False
 
@@ -242,7 +261,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
     if n == 1 or x.size == 0 or _use_lax(n, x.size * np.dtype(x.dtype).itemsize):
         return lax_fn(x, axes)
-    if not _executor_ready(_platform(), "all_reduce"):
+    if not _executor_ready(_platform(), "all_reduce", n):
         return lax_fn(x, axes)
 
     def f(v):
@@ -265,7 +284,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
         idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
         return lax.psum(jnp.where(idx == root, v, jnp.zeros_like(v)), axes)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast"):
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast", n):
         return reference(x)
 
     def f(v):
@@ -292,7 +311,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
     def reference(v):
         return jnp.where(is_root(), lax_fn(v, axes), v)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce"):
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce", n):
         return reference(x)
 
     def f(v):
@@ -317,7 +336,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
     def reference(v):
         return lax.all_gather(v, axes, axis=axis, tiled=tiled)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_gather"):
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_gather", n):
         return reference(x)
 
     def f(v):
@@ -353,7 +372,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
     def reference(v):
         return lax.psum_scatter(v, axes, scatter_dimension=d, tiled=tiled)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce_scatter"):
+    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce_scatter", n):
         return reference(x)
 
     def f(v):

@@ -256,5 +256,17 @@ NB_MODULE(_blink_cuda, m) {
 
   m.def("version", []() { return std::string(jbc::Version()); });
 
+  m.def(
+      "can_access_peer",
+      [](int device, int peer) {
+        int ok = 0;
+        const cudaError_t e = cudaDeviceCanAccessPeer(&ok, device, peer);
+        if (e != cudaSuccess)
+          throw std::runtime_error(std::string("cudaDeviceCanAccessPeer: ") + cudaGetErrorString(e));
+        return ok != 0;
+      },
+      nb::arg("device"), nb::arg("peer"),
+      "Whether CUDA device `device` can map `peer`'s memory (the executor needs it for every pair).");
+
   nb::module_::import_("atexit").attr("register")(m.attr("release"));
 }

@@ -328,3 +328,22 @@ def test_dispatch_picks_lax_or_the_executor():
     assert tuning.prefer_lax("NVIDIA H200", 2, 4096)
     assert not tuning.prefer_lax("NVIDIA H200", 2, 64 << 20)
     assert not tuning.prefer_lax("some other GPU", 2, 4096)
+
+
+def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):
+    from jax_blink import collectives
+
+    monkeypatch.setattr(collectives._backends, "register", lambda platform: False)
+    monkeypatch.setattr(collectives, "_warned", set())
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(12), (N, 5), "float32"), P("x"))
+
+    def run():  # a new function each time: jit caches traces
+        return _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
+
+    with pytest.warns(RuntimeWarning, match="falls back to XLA's own collective"):
+        out = run()
+    np.testing.assert_allclose(np.asarray(out)[0], np.asarray(x).sum(0), rtol=1e-5)
+    monkeypatch.setattr(jax_blink.config, "fallback", "raise")
+    with pytest.raises(RuntimeError, match="no .* executor in this build"):
+        run()

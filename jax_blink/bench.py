@@ -106,7 +106,8 @@ def _time_or_error(fn, x, runs: int) -> float:
 
 
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
-        out_dir: str | None, kind: str | None, command_buffers: bool = False) -> list[dict]:
+        out_dir: str | None, kind: str | None, command_buffers: bool = False,
+        ceiling: float | None = None) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -160,8 +161,44 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                     date=_dt.date.today().isoformat())
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        print(f"# wrote {stem}.csv and .json")
+        plot(stem + ".csv", stem + ".png", ceiling)
+        print(f"# wrote {stem}.csv, .json and .png")
     return rows
+
+
+def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> None:
+    """Bus bandwidth and time against size, ours and psum's, per dtype, from a bench CSV; the
+    measured link ceiling (GB/s) drawn in when given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for dtype in sorted({r["dtype"] for r in rows}):
+        rs = [r for r in rows if r["dtype"] == dtype]
+        size = [int(r["size"]) for r in rs]
+        for key, label, style in (("busbw", "jax_blink", "-o"), ("psum_busbw", "lax.psum", "--s")):
+            ax_bw.plot(size, [float(r[key]) for r in rs], style, label=f"{label} {dtype}", ms=3)
+        for key, label, style in (("time_us", "jax_blink", "-o"), ("psum_time_us", "lax.psum", "--s")):
+            ax_t.plot(size, [float(r[key]) for r in rs], style, label=f"{label} {dtype}", ms=3)
+    if ceiling_gbps:
+        ax_bw.axhline(ceiling_gbps, color="gray", lw=1, ls=":")
+        ax_bw.text(min(int(r["size"]) for r in rows), ceiling_gbps * 1.02,
+                   f"measured NVLink ceiling {ceiling_gbps:g} GB/s", fontsize=8, color="gray")
+    for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time per call (us)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_t.set_yscale("log")
+    fig.suptitle(os.path.basename(csv_path))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -174,11 +211,18 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--runs", type=int, default=5, help="timed runs per size (default 5)")
     ap.add_argument("-o", "--out", default=None, help="folder for the CSV/JSON table")
     ap.add_argument("--kind", default=None, help="device kind for the file name")
+    ap.add_argument("--ceiling", type=float, default=None,
+                    help="measured link ceiling in GB/s, drawn into the plot (2 x H200: 364)")
+    ap.add_argument("--plot-only", default=None, metavar="CSV",
+                    help="only draw the plot of an earlier run's CSV (beside it, .png)")
     ap.add_argument("--command-buffers", action="store_true",
                     help="also time the handler that XLA may capture in CUDA graphs (column cb)")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
+        return 0
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind, a.command_buffers)
+               a.runs, a.out, a.kind, a.command_buffers, a.ceiling)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -1,0 +1,90 @@
+"""Where the time of chained collectives goes: kernel start, duration and gaps per GPU, from JAX's
+profiler (CUPTI), for our all-reduce and for ``lax.psum`` on the same data.
+
+    python benchmarks/trace_calls.py [--bytes 4M] [--k 20]
+
+Prints, per GPU and call, the kernel's start (relative to the first kernel of the program on any
+GPU), its duration and the idle gap before it on its stream; then the medians. A gap is host launch
+pacing; a long duration with a late peer start is one GPU waiting for the other.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.profiler import ProfileData
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+from jax_blink.bench import _chained, parse_size
+
+
+def _kernels(path: str, pattern: str) -> dict[str, list[tuple[float, float]]]:
+    """(start_ns, duration_ns) of device events whose name contains ``pattern``, per device plane."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for plane in ProfileData.from_file(path).planes:
+        if "/device:GPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if pattern in e.name:
+                    out.setdefault(plane.name, []).append((e.start_ns, e.duration_ns))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _names(path: str) -> list[str]:
+    names = set()
+    for plane in ProfileData.from_file(path).planes:
+        if "/device:GPU" in plane.name:
+            for line in plane.lines:
+                for e in line.events:
+                    names.add(e.name[:80])
+    return sorted(names)
+
+
+def report(label: str, fn, x, pattern: str, k: int) -> None:
+    fn(x).block_until_ready()
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        fn(x).block_until_ready()
+    path = glob.glob(d + "/**/*.xplane.pb", recursive=True)[0]
+    ks = _kernels(path, pattern)
+    if not ks:
+        print(f"## {label}: no device events matching {pattern!r}; device event names: {_names(path)[:30]}")
+        return
+    t0 = min(v[0][0] for v in ks.values())
+    print(f"## {label}: {k} chained calls; per GPU: start (us from first), duration (us), gap before (us)")
+    for plane, evs in ks.items():
+        gaps = [evs[i][0] - (evs[i - 1][0] + evs[i - 1][1]) for i in range(1, len(evs))]
+        print(f"  {plane}: {len(evs)} kernels, median duration {statistics.median(e[1] for e in evs) / 1e3:.1f} us, "
+              f"median gap {statistics.median(gaps) / 1e3 if gaps else 0:.1f} us, "
+              f"span {(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e3:.1f} us")
+        for i, (s, dur) in enumerate(evs[:6]):
+            print(f"    #{i}: start {(s - t0) / 1e3:8.1f}  dur {dur / 1e3:7.1f}  gap {gaps[i - 1] / 1e3 if i else 0:7.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bytes", default="4M")
+    ap.add_argument("--k", type=int, default=20)
+    a = ap.parse_args()
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("x",), devices=devices)
+    count = parse_size(a.bytes) // 4
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * count), jnp.float32),
+                       NamedSharding(mesh, P("x")))
+    ours = _chained(lambda v, ax: jax_blink.all_reduce(v, ax), mesh, "x", a.k, dispatch="blink")
+    psum = _chained(lambda v, ax: lax.psum(v, ax), mesh, "x", a.k)
+    report("jax_blink.all_reduce", ours, x, "collective_kernel", a.k)
+    report("lax.psum", psum, x, "nccl", a.k)
+
+
+if __name__ == "__main__":
+    main()

@@ -235,10 +235,22 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
-def _with_lax_gradient(forward, reference, x):
-    """``forward(x)``, differentiated as ``reference`` (the ``lax`` expression it equals) is."""
-    f = jax.custom_vjp(forward)
-    f.defvjp(lambda v: (forward(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+def _with_lax_gradient(forward, reference, x, *, elementwise: bool = True):
+    """``forward(x)``, differentiated as ``reference`` (the ``lax`` expression it equals) is.
+
+    Under ``vmap``: an ``elementwise`` collective (each output element depends on the same element
+    of every rank only) runs once over the whole batch, a larger operand; the others run once per
+    batch element (``lax.map``).
+    """
+    batched = jax.custom_batching.custom_vmap(forward)
+
+    @batched.def_vmap
+    def _batch_rule(axis_size, in_batched, v):
+        del axis_size, in_batched  # v carries the batch as its leading axis
+        return (batched(v) if elementwise else lax.map(forward, v)), True
+
+    f = jax.custom_vjp(batched)
+    f.defvjp(lambda v: (batched(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
     return f(x)
 
 
@@ -352,7 +364,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _with_lax_gradient(f, reference, x)
+    return _with_lax_gradient(f, reference, x, elementwise=False)
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -385,7 +397,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _with_lax_gradient(f, reference, x)
+    return _with_lax_gradient(f, reference, x, elementwise=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -347,3 +347,20 @@ def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):
     monkeypatch.setattr(jax_blink.config, "fallback", "raise")
     with pytest.raises(RuntimeError, match="no .* executor in this build"):
         run()
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
+def test_vmap_matches_lax(name):
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(13), (N * 3, N, 2), "float32"), P("x"))
+    ours = {"all_reduce": lambda v: jax_blink.all_reduce(v, "x"),
+            "broadcast": lambda v: jax_blink.broadcast(v, "x", root=1),
+            "all_gather": lambda v: jax_blink.all_gather(v, "x", axis=1),
+            "reduce_scatter": lambda v: jax_blink.reduce_scatter(v, "x")}[name]
+    ref = {"all_reduce": lambda v: lax.psum(v, "x"),
+           "broadcast": lambda v: lax.psum(jnp.where(lax.axis_index("x") == 1, v, 0), "x"),
+           "all_gather": lambda v: lax.all_gather(v, "x", axis=1),
+           "reduce_scatter": lambda v: lax.psum_scatter(v, "x")}[name]
+    got = _smap(jax.vmap(ours), mesh, P("x"), P("x"))(x)
+    want = _smap(jax.vmap(ref), mesh, P("x"), P("x"))(x)
+    _assert_close(got, want, "float32", N)

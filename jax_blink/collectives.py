@@ -47,6 +47,11 @@ def _axes(axis_name: AxisName) -> tuple[str, ...]:
     return axes
 
 
+def _axis_index(axes: tuple[str, ...]):
+    """This rank's index along ``axes`` (row-major over a tuple of axes, as ``lax`` numbers them)."""
+    return lax.axis_index(axes if len(axes) > 1 else axes[0])
+
+
 def _axis_size(axes: tuple[str, ...]) -> int:
     try:
         return int(lax.axis_size(axes if len(axes) > 1 else axes[0]))
@@ -219,7 +224,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     topo = _topology_for(n, platform, topology)
     program = _program(topo.key(), topo, collective, root, int(flat.size),
                        np.dtype(flat.dtype).itemsize, config.chunk_bytes, method)
-    rank = lax.axis_index(axes if len(axes) > 1 else axes[0]).astype(jnp.int32)
+    rank = _axis_index(axes).astype(jnp.int32)
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
@@ -293,7 +298,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
     root = _check_root(root, n)
 
     def reference(v):
-        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        idx = _axis_index(axes)
         return lax.psum(jnp.where(idx == root, v, jnp.zeros_like(v)), axes)
 
     if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast", n):
@@ -318,7 +323,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
 
     def is_root():
-        return lax.axis_index(axes if len(axes) > 1 else axes[0]) == root
+        return _axis_index(axes) == root
 
     def reference(v):
         return jnp.where(is_root(), lax_fn(v, axes), v)
@@ -352,7 +357,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         return reference(x)
 
     def f(v):
-        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        idx = _axis_index(axes)
         buf = jnp.zeros((n, v.size), v.dtype)
         buf = lax.dynamic_update_slice(buf, v.reshape(1, -1), (idx, 0)).reshape(-1)
         out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
@@ -392,7 +397,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
         out = _collective_call(blocks.reshape(-1), axes, "reducescatter", topology=topology,
                                method=method)
-        idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+        idx = _axis_index(axes)
         mine = lax.dynamic_slice_in_dim(out.reshape(n, -1), idx, 1, axis=0).reshape(block_shape)
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)

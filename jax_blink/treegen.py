@@ -605,15 +605,6 @@ def _fewest_trees(caps: Sequence[float], cols: Sequence[Column], hint: Sequence[
     return [cols[t] for t in range(len(cols)) if solver.Value(ys[t])], solver.StatusName(status)
 
 
-def _solve_lp_over(caps: Sequence[float], cols: Sequence[Column]) -> tuple[float, list[float]]:
-    """Max total weight of the given trees under the capacities (a small LP)."""
-    lp = _MasterLP(caps)
-    for c in cols:
-        lp.add(c)
-    z, x, _ = lp.solve()
-    return z, x
-
-
 def _ip_time(n: int) -> float:
     """CP-SAT deterministic time budget (about seconds on one core) for ``n`` devices."""
     return 0.3 if n <= 8 else 2.0

@@ -79,30 +79,26 @@ def _group_index(axes: tuple[str, ...]):
     return group
 
 
+def _abstract_device():
+    """The kind of device of the mesh being traced (None under pmap or outside a mesh)."""
+    try:
+        return jax.sharding.get_abstract_mesh().abstract_device
+    except Exception:  # older jax, or no mesh in context
+        return None
+
+
 def _platform() -> str:
-    try:
-        p = jax.sharding.get_abstract_mesh().abstract_device.platform  # type: ignore[attr-defined]
-    except Exception:
-        p = None
-    try:
-        p = p or jax.sharding.get_abstract_mesh()._platform  # noqa: SLF001 (best effort)
-    except Exception:
-        pass
-    p = p or jax.default_backend()
+    dev = _abstract_device()
+    p = dev.platform if dev is not None else jax.default_backend()
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 
 def _device_kind() -> str | None:
-    try:
-        kind = jax.sharding.get_abstract_mesh().device_kind
-    except Exception:
-        kind = None
-    if not kind:
-        try:
-            kind = jax.devices()[0].device_kind
-        except Exception:
-            kind = None
-    return kind
+    dev = _abstract_device()
+    if dev is not None:
+        return dev.device_kind
+    devices = jax.devices()
+    return devices[0].device_kind if devices else None
 
 
 def _use_lax(n: int, nbytes: int) -> bool:

@@ -364,3 +364,33 @@ def test_vmap_matches_lax(name):
     got = _smap(jax.vmap(ours), mesh, P("x"), P("x"))(x)
     want = _smap(jax.vmap(ref), mesh, P("x"), P("x"))(x)
     _assert_close(got, want, "float32", N)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), collective=st.sampled_from(["allreduce", "broadcast", "reduce"]))
+def test_random_topologies_through_the_executor(seed, collective):
+    """Plans over random connected link graphs (deep, uneven trees) run by the executor."""
+    import networkx as nx
+
+    rng = np.random.default_rng(seed)
+    graph = nx.connected_watts_strogatz_graph(N, 2 if N < 4 else 3, 0.5, seed=int(seed % 2**31))
+    links = {(u, v): float(rng.choice([10.0, 20.0, 25.0, 50.0])) for u, v in graph.edges}
+    topo = jax_blink.Topology.from_links(links)
+    root = int(rng.integers(0, N))
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(rng, (N, 1000 + int(rng.integers(0, 100))), "float32"), P("x"))
+    host = np.asarray(x, np.float64)
+    if collective == "allreduce":
+        fn = lambda v: jax_blink.all_reduce(v, "x", topology=topo)  # noqa: E731
+        want = np.broadcast_to(host.sum(0), host.shape)
+    elif collective == "broadcast":
+        fn = lambda v: jax_blink.broadcast(v, "x", root=root, topology=topo)  # noqa: E731
+        want = np.broadcast_to(host[root], host.shape)
+    else:
+        fn = lambda v: jax_blink.reduce(v, "x", root=root, topology=topo)  # noqa: E731
+        want = host.copy()
+        want[root] = host.sum(0)
+    got = _smap(fn, mesh, P("x"), P("x"))(x)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-4)
+    if collective != "reduce":
+        _assert_same_on_every_rank(got)

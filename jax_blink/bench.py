@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as _dt
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,19 +83,70 @@ def _time(fn, x, runs: int) -> float:
     return statistics.median(times)
 
 
-def _check(mesh, axis, x) -> int:
+def _axis_index(axis: str):
+    return lax.axis_index(axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the bench: ours and its lax reference (one call each), how a call's
+    output feeds the next call of a chain, nccl-tests' bus-bandwidth factor, and the bytes a call
+    moves per rank for the bandwidth (nccl-tests: the larger of input and output)."""
+
+    ours: Callable
+    ref: Callable
+    chain: Callable  # (one call's function) -> a step with the input's shape
+    bus_factor: Callable[[int], float]
+    size_factor: Callable[[int], int]
+    replicated: bool  # every rank must end with the same bits
+    divisible: bool = False  # the per-rank count must be a multiple of the rank count
+
+
+def _same(f):
+    return f
+
+
+COLLECTIVES = {
+    "allreduce": Collective(
+        lambda v, a: collectives.all_reduce(v, a), lambda v, a: lax.psum(v, a), _same,
+        lambda n: 2 * (n - 1) / n, lambda n: 1, True),
+    "broadcast": Collective(
+        lambda v, a: collectives.broadcast(v, a, root=0),
+        lambda v, a: lax.psum(jnp.where(_axis_index(a) == 0, v, jnp.zeros_like(v)), a), _same,
+        lambda n: 1.0, lambda n: 1, True),
+    "reduce": Collective(
+        lambda v, a: collectives.reduce(v, a, root=0),
+        lambda v, a: jnp.where(_axis_index(a) == 0, lax.psum(v, a), v), _same,
+        lambda n: 1.0, lambda n: 1, False),
+    "allgather": Collective(
+        lambda v, a: collectives.all_gather(v, a, tiled=True),
+        lambda v, a: lax.all_gather(v, a, tiled=True),
+        lambda f: (lambda v, a: f(v, a)[: v.shape[0]]),
+        lambda n: (n - 1) / n, lambda n: n, True),
+    "reducescatter": Collective(
+        lambda v, a: collectives.reduce_scatter(v, a, tiled=True),
+        lambda v, a: lax.psum_scatter(v, a, tiled=True),
+        lambda f: (lambda v, a: jnp.tile(f(v, a), lax.axis_size(a))),
+        lambda n: (n - 1) / n, lambda n: 1, False, divisible=True),
+}
+
+
+def _check(coll: Collective, mesh, axis, x) -> int:
+    """Elements of one call of ours that differ from the lax reference by more than rounding (or
+    that differ between ranks where every rank must hold the same result)."""
     spec = P(axis)
     with _Overrides(dispatch="blink"):
-        ours = jax.jit(jax.shard_map(lambda v: collectives.all_reduce(v, axis), mesh=mesh,
+        ours = jax.jit(jax.shard_map(lambda v: coll.ours(v, axis), mesh=mesh,
                                      in_specs=spec, out_specs=spec))(x)
-    ref = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
+    ref = jax.jit(jax.shard_map(lambda v: coll.ref(v, axis), mesh=mesh,
                                 in_specs=spec, out_specs=spec))(x)
     n = mesh.shape[axis]
     ours = np.asarray(ours.astype(jnp.float32)).reshape(n, -1)
     ref = np.asarray(ref.astype(jnp.float32)).reshape(n, -1)
     tol = _TOL.get(jnp.dtype(x.dtype).name, 0)
     wrong = ~np.isclose(ours, ref, rtol=tol, atol=tol * n * 4)
-    wrong |= ours != ours[:1]  # every rank must hold the same bits
+    if coll.replicated:
+        wrong |= ours != ours[:1]
     return int(wrong.sum())
 
 
@@ -107,7 +160,7 @@ def _time_or_error(fn, x, runs: int) -> float:
 
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
-        ceiling: float | None = None) -> list[dict]:
+        ceiling: float | None = None, collective: str = "allreduce") -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -116,42 +169,44 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
     sharding = NamedSharding(mesh, P("x"))
     # The executor itself ("blink"), not the size dispatch of jax_blink.tuning: that is what is measured.
-    ours_fn = _chained(lambda v, a: collectives.all_reduce(v, a), mesh, "x", k, dispatch="blink")
-    psum_fn = _chained(lambda v, a: lax.psum(v, a), mesh, "x", k)
-    cb_fn = (_chained(lambda v, a: collectives.all_reduce(v, a), mesh, "x", k, command_buffers=True,
-                      dispatch="blink")
+    coll = COLLECTIVES[collective]
+    ours_fn = _chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink")
+    psum_fn = _chained(coll.chain(coll.ref), mesh, "x", k)
+    cb_fn = (_chained(coll.chain(coll.ours), mesh, "x", k, command_buffers=True, dispatch="blink")
              if command_buffers else None)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"# jax_blink.bench: all_reduce vs lax.psum, {n} x {devices[0].device_kind}, jax "
+    print(f"# jax_blink.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}")
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
-          f"{'psum(us)':>10} {'p.busbw':>8} {'speedup':>8} {'#wrong':>7}"
+          f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7}"
           + (f" {'cb(us)':>9}" if command_buffers else ""))
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
+            if coll.divisible:
+                count = max(n, count // n * n)
             host = rng.standard_normal((n * count,)).astype(np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
-            wrong = _check(mesh, "x", x)
+            wrong = _check(coll, mesh, "x", x)
             t_ours = _time(ours_fn, x, runs) / k
             t_psum = _time(psum_fn, x, runs) / k
             t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
-            size = count * jnp.dtype(dtype).itemsize
-            bus = 2 * (n - 1) / n
+            size = count * jnp.dtype(dtype).itemsize * coll.size_factor(n)
+            bus = coll.bus_factor(n)
             row = dict(size=size, count=count, dtype=dtype, n=n,
                        time_us=t_ours * 1e6, algbw=size / t_ours / 1e9, busbw=size / t_ours / 1e9 * bus,
-                       psum_time_us=t_psum * 1e6, psum_algbw=size / t_psum / 1e9,
-                       psum_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
+                       lax_time_us=t_psum * 1e6, lax_algbw=size / t_psum / 1e9,
+                       lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
                        cb_time_us=t_cb * 1e6)
             rows.append(row)
             print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
-                  f"{row['busbw']:>8.2f} {row['psum_time_us']:>10.1f} {row['psum_busbw']:>8.2f} "
+                  f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7}"
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else ""), flush=True)
     if out_dir:
         kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
-        stem = os.path.join(out_dir, f"allreduce-{kind}-{_dt.date.today().isoformat()}")
+        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}")
         os.makedirs(out_dir, exist_ok=True)
         with open(stem + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -180,9 +235,10 @@ def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> Non
     for dtype in sorted({r["dtype"] for r in rows}):
         rs = [r for r in rows if r["dtype"] == dtype]
         size = [int(r["size"]) for r in rs]
-        for key, label, style in (("busbw", "jax_blink", "-o"), ("psum_busbw", "lax.psum", "--s")):
+        ref = "lax" if "lax_busbw" in rs[0] else "psum"  # files written before the rename say psum
+        for key, label, style in (("busbw", "jax_blink", "-o"), (f"{ref}_busbw", "lax", "--s")):
             ax_bw.plot(size, [float(r[key]) for r in rs], style, label=f"{label} {dtype}", ms=3)
-        for key, label, style in (("time_us", "jax_blink", "-o"), ("psum_time_us", "lax.psum", "--s")):
+        for key, label, style in (("time_us", "jax_blink", "-o"), (f"{ref}_time_us", "lax", "--s")):
             ax_t.plot(size, [float(r[key]) for r in rs], style, label=f"{label} {dtype}", ms=3)
     if ceiling_gbps:
         ax_bw.axhline(ceiling_gbps, color="gray", lw=1, ls=":")
@@ -215,6 +271,8 @@ def main(argv=None) -> int:
                     help="measured link ceiling in GB/s, drawn into the plot (2 x H200: 364)")
     ap.add_argument("--plot-only", default=None, metavar="CSV",
                     help="only draw the plot of an earlier run's CSV (beside it, .png)")
+    ap.add_argument("-c", "--collective", default="allreduce", choices=sorted(COLLECTIVES),
+                    help="which collective (default allreduce)")
     ap.add_argument("--command-buffers", action="store_true",
                     help="also time the handler that XLA may capture in CUDA graphs (column cb)")
     a = ap.parse_args(argv)
@@ -222,7 +280,7 @@ def main(argv=None) -> int:
         plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
         return 0
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind, a.command_buffers, a.ceiling)
+               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

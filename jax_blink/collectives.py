@@ -250,9 +250,18 @@ def _with_lax_gradient(forward, reference, x, *, elementwise: bool = True):
         del axis_size, in_batched  # v carries the batch as its leading axis
         return (batched(v) if elementwise else lax.map(forward, v)), True
 
-    f = jax.custom_vjp(batched)
-    f.defvjp(lambda v: (batched(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
-    return f(x)
+    def differentiable(fn):
+        f = jax.custom_vjp(fn)
+        f.defvjp(lambda v: (fn(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+        return f
+
+    try:
+        return differentiable(batched)(x)
+    except Exception:  # noqa: BLE001
+        # custom_vmap is checked on jax 0.10 only (0.11 was not at hand when this was written):
+        # where it cannot trace, lose vmap support rather than the collective. A real error in
+        # `forward` is raised again by the call below.
+        return differentiable(forward)(x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,9 +190,9 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
 # The custom call.
 
 @functools.lru_cache(maxsize=256)
-def _program(topo_key, topology: Topology, collective: str, root, total_elems: int, itemsize: int,
+def _program(topology: Topology, collective: str, root, total_elems: int, itemsize: int,
              chunk_bytes, method: str) -> np.ndarray:
-    del topo_key  # part of the cache key only
+    # Cached per topology (Topology hashes and compares by its links), collective and operand.
     n = topology.n
     if collective in ("allreduce", "broadcast", "reduce"):
         p = _plan(topology, collective, None if root is None else topology.devices[root], method=method)
@@ -218,7 +218,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     n = _axis_size(axes)
     platform = _platform()
     topo = _topology_for(n, platform, topology)
-    program = _program(topo.key(), topo, collective, root, int(flat.size),
+    program = _program(topo, collective, root, int(flat.size),
                        np.dtype(flat.dtype).itemsize, config.chunk_bytes, method)
     rank = _axis_index(axes).astype(jnp.int32)
     if result_type is None:
@@ -236,13 +236,18 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
-def _with_lax_gradient(forward, reference, x, *, elementwise: bool = True):
-    """``forward(x)``, differentiated as ``reference`` (the ``lax`` expression it equals) is.
+def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
+         prefer_lax: bool = False):
+    """``forward(x)`` through the executor, or ``reference(x)`` (the ``lax`` expression it equals)
+    where the executor has nothing to do, cannot run, or ``prefer_lax``. ``forward`` is
+    differentiated as ``reference`` is.
 
     Under ``vmap``: an ``elementwise`` collective (each output element depends on the same element
     of every rank only) runs once over the whole batch, a larger operand; the others run once per
     batch element (``lax.map``).
     """
+    if n == 1 or x.size == 0 or prefer_lax or not _executor_ready(_platform(), what, n):
+        return reference(x)
     batched = jax.custom_batching.custom_vmap(forward)
 
     @batched.def_vmap
@@ -281,17 +286,14 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     axes = _axes(axis_name)
     n = _axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
-    if n == 1 or x.size == 0 or _use_lax(n, x.size * np.dtype(x.dtype).itemsize):
-        return lax_fn(x, axes)
-    if not _executor_ready(_platform(), "all_reduce", n):
-        return lax_fn(x, axes)
 
     def f(v):
         out_type = _replicated_type(v.reshape(-1), axes)
         return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    return _with_lax_gradient(f, lambda u: lax_fn(u, axes), x)
+    return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes),
+                prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -306,15 +308,13 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
         idx = _axis_index(axes)
         return lax.psum(jnp.where(idx == root, v, jnp.zeros_like(v)), axes)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "broadcast", n):
-        return reference(x)
 
     def f(v):
         out_type = _replicated_type(v.reshape(-1), axes)
         return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    return _with_lax_gradient(f, reference, x)
+    return _run("broadcast", x, n, f, reference)
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -333,8 +333,6 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
     def reference(v):
         return jnp.where(is_root(), lax_fn(v, axes), v)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce", n):
-        return reference(x)
 
     def f(v):
         out = _collective_call(v.reshape(-1), axes, "reduce", op=op, root=root,
@@ -342,7 +340,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    return _with_lax_gradient(f, reference, x)
+    return _run("reduce", x, n, f, reference)
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -358,8 +356,6 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
     def reference(v):
         return lax.all_gather(v, axes, axis=axis, tiled=tiled)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "all_gather", n):
-        return reference(x)
 
     def f(v):
         idx = _axis_index(axes)
@@ -374,7 +370,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _with_lax_gradient(f, reference, x, elementwise=False)
+    return _run("all_gather", x, n, f, reference, elementwise=False)
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -394,8 +390,6 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
     def reference(v):
         return lax.psum_scatter(v, axes, scatter_dimension=d, tiled=tiled)
 
-    if n == 1 or x.size == 0 or not _executor_ready(_platform(), "reduce_scatter", n):
-        return reference(x)
 
     def f(v):
         blocks = jnp.moveaxis(v, d, 0)
@@ -407,7 +401,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _with_lax_gradient(f, reference, x, elementwise=False)
+    return _run("reduce_scatter", x, n, f, reference, elementwise=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +424,7 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                   if collective != "allreduce" else None, method=method)
         lines = [p.explain()]
         total = nbytes // itemsize
-    prog = _program(topology.key(), topology, collective,
+    prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,
                     config.chunk_bytes, method)
     sched = _schedule.decode(prog)

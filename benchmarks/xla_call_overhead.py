@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from jax_blink import _backends, schedule
-from jax_blink.bench import _time as _timeit
+from jax_blink.bench import median_time as _timeit
 
 
 def main() -> None:

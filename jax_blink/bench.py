@@ -72,7 +72,8 @@ def _chained(fn, mesh, axis: str, k: int, **overrides):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def _time(fn, x, runs: int) -> float:
+def median_time(fn, x, runs: int) -> float:
+    """Median wall time of ``fn(x)`` over ``runs`` runs, after compiling and one warm-up run."""
     fn(x).block_until_ready()  # compile + warm up
     fn(x).block_until_ready()
     times = []
@@ -81,10 +82,6 @@ def _time(fn, x, runs: int) -> float:
         fn(x).block_until_ready()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _axis_index(axis: str):
-    return lax.axis_index(axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +109,11 @@ COLLECTIVES = {
         lambda n: 2 * (n - 1) / n, lambda n: 1, True),
     "broadcast": Collective(
         lambda v, a: collectives.broadcast(v, a, root=0),
-        lambda v, a: lax.psum(jnp.where(_axis_index(a) == 0, v, jnp.zeros_like(v)), a), _same,
+        lambda v, a: lax.psum(jnp.where(lax.axis_index(a) == 0, v, jnp.zeros_like(v)), a), _same,
         lambda n: 1.0, lambda n: 1, True),
     "reduce": Collective(
         lambda v, a: collectives.reduce(v, a, root=0),
-        lambda v, a: jnp.where(_axis_index(a) == 0, lax.psum(v, a), v), _same,
+        lambda v, a: jnp.where(lax.axis_index(a) == 0, lax.psum(v, a), v), _same,
         lambda n: 1.0, lambda n: 1, False),
     "allgather": Collective(
         lambda v, a: collectives.all_gather(v, a, tiled=True),
@@ -152,7 +149,7 @@ def _check(coll: Collective, mesh, axis, x) -> int:
 
 def _time_or_error(fn, x, runs: int) -> float:
     try:
-        return _time(fn, x, runs)
+        return median_time(fn, x, runs)
     except Exception as e:  # noqa: BLE001 (a variant that cannot run is reported, not fatal)
         print(f"#   variant failed: {str(e).splitlines()[0][:200]}")
         return float("nan")
@@ -189,8 +186,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             host = rng.standard_normal((n * count,)).astype(np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
-            t_ours = _time(ours_fn, x, runs) / k
-            t_psum = _time(psum_fn, x, runs) / k
+            t_ours = median_time(ours_fn, x, runs) / k
+            t_psum = median_time(psum_fn, x, runs) / k
             t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
             size = count * jnp.dtype(dtype).itemsize * coll.size_factor(n)
             bus = coll.bus_factor(n)

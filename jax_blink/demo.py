@@ -5,8 +5,6 @@ On a machine without GPUs the devices are CPU host devices (8 unless ``XLA_FLAGS
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 
@@ -44,14 +42,10 @@ def run_demo(size: int = 1 << 20, dtype: str = "float32", plot: str | None = Non
                                 in_specs=spec, out_specs=spec))
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * size), dtype),
                        NamedSharding(mesh, spec))
-    timings = {}
-    for name, fn in (("jax_blink.all_reduce", ours), ("lax.psum", ref)):
-        fn(x).block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            out = fn(x)
-        out.block_until_ready()
-        timings[name] = (time.perf_counter() - t0) / 10
+    from .bench import median_time
+
+    timings = {name: median_time(fn, x, 10)
+               for name, fn in (("jax_blink.all_reduce", ours), ("lax.psum", ref))}
     a = np.asarray(ours(x).astype(jnp.float32))
     b = np.asarray(ref(x).astype(jnp.float32))
     ok = np.allclose(a, b, rtol=1e-5 if dtype == "float32" else 2e-2, atol=1e-4 * n)

@@ -50,12 +50,7 @@ from typing import Any
 
 import networkx as nx
 
-from .topology import LINK_LATENCY_US, Topology
-
-try:  # the DGX-1 PCIe rate lives with the other link numbers
-    from .topology import DGX1_PCIE_GBPS
-except ImportError:  # pragma: no cover
-    DGX1_PCIE_GBPS = 10.0
+from .topology import DGX1_PCIE_GBPS, LINK_LATENCY_US, Topology
 
 __all__ = ["RingPlan", "rings", "time_us", "best_time", "compare", "algbw", "MODEL", "COLLECTIVES"]
 

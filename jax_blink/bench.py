@@ -147,6 +147,15 @@ def _check(coll: Collective, mesh, axis, x) -> int:
     return int(wrong.sum())
 
 
+def _staging_bytes() -> int | None:
+    """The CUDA executor's largest staging allocation per rank (None without the CUDA module)."""
+    try:
+        from jax_blink import _blink_cuda
+    except ImportError:
+        return None
+    return int(_blink_cuda.staging_bytes())
+
+
 def _time_or_error(fn, x, runs: int) -> float:
     try:
         return median_time(fn, x, runs)
@@ -201,6 +210,10 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7}"
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else ""), flush=True)
+    staging = _staging_bytes()
+    if staging is not None:
+        print(f"# staging memory of the executor: {staging / 2**20:.1f} MiB per rank "
+              f"(limit: min(1% of device memory, 256 MiB))")
     if out_dir:
         kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
         stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}")
@@ -210,7 +223,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             w.writeheader()
             w.writerows(rows)
         meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, runs=runs,
-                    date=_dt.date.today().isoformat())
+                    date=_dt.date.today().isoformat(), staging_bytes=staging)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         plot(stem + ".csv", stem + ".png", ceiling)

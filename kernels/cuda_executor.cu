@@ -48,6 +48,30 @@
 //                 for its parent's "done reading you".
 // Elements outside every segment get out = in (local copy, spread over the grid).
 //
+// ## One-shot all-reduce (small and mid sizes): Mode::kLL and Mode::kOneShot
+// The tree kernel's critical path is three dependent cross-GPU hops (pointers, contribution,
+// result: ~11 us at 1 KiB on 2 x H200). An all-reduce site (every tree reduces and broadcasts, no
+// gaps) up to a size limit skips the trees: every rank writes its whole `in` into every peer's
+// *inbox* in the communicator's staging memory, then reduces its own `in` with the peers' copies in
+// rank order (0, 1, ..., n-1: every rank rounds the same way, bit-identical results). One hop, no
+// pointer exchange; on 2 ranks the same link traffic as the trees (N bytes per direction).
+//   kLL      16-byte lines {data0, k, data1, k ^ site}: the flag travels in the same 8-byte store
+//            as its data, so a reader that sees the flags sees the data (no fence, no flag
+//            store); twice the bytes on the link, so for small sizes only (any rank count <= 8).
+//            The second flag carries the call site: ranks that ran different sites at call k
+//            never match (reported as a mismatch at the time-out).
+//   kOneShot chunks of plain 16-byte stores, then one st.release.sys flag per chunk (64-bit:
+//            call number | site); pipelined per block (send chunk c + G before reducing chunk c);
+//            2 ranks only (on n ranks one-shot moves n-1 copies per rank).
+// The inbox has two slots per peer by call parity, and its call counter belongs to the
+// communicator (shared by its one-shot sites, bumped by every one-shot call on that rank). Why two
+// slots suffice without any flag back: rank A writes slot p for call k+2 only after its call k+1
+// finished, which needed B's call-(k+1) data, which B sends only after its call k (the last reader
+// of slot p) finished (stream order). So the staging is per communicator, not per site:
+// 2 * (n-1) * region bytes per rank, region = max(2 * LL limit, one-shot limit), within
+// min(1% of device memory, 256 MiB); it assumes every rank runs the communicator's one-shot sites
+// in the same order (SPMD; the site tag catches violations).
+//
 // ## Flags and memory order (device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
 // waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
@@ -108,6 +132,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -133,9 +158,13 @@ constexpr int64_t kMaxPieceBytes = 4 << 20;
 constexpr int kNumOps = 3;
 
 // Error kinds (ErrorRecord::kind).
-constexpr int kErrTimeout = 1, kErrAhead = 2, kErrAborted = 3;
+constexpr int kErrTimeout = 1, kErrAhead = 2, kErrAborted = 3, kErrMismatch = 4;
 // Where a wait was (ErrorRecord::phase).
-constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3;
+constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAtOneShot = 4;
+// One-shot chunks: no smaller than this (flag cost), and the inbox keeps flags for at most
+// region / kMinOneShotChunk chunks.
+constexpr int64_t kMinOneShotChunk = 4096;
+constexpr int kMaxLLRanks = 8;
 
 // Per device, in host-mapped pinned memory: written by the first failing kernel, read by the host.
 struct ErrorRecord {
@@ -177,6 +206,16 @@ struct Params {
   uint32_t off_blk_seq, off_ptr_flag, off_abort, off_ptr_in, off_ptr_out, off_inbox;
   uint32_t off_units, off_trees, off_kids, off_gaps, off_peer_base;
   int32_t rank, nranks, nunits, ngaps, device, grid;
+  // One-shot modes: this rank's staging block of the communicator (layout: peers' staging bases
+  // [n] u64 at 0, call counters [stg_blocks] u32, flags [2][n-1][stg_max_chunks] u64, data
+  // [2][n-1][stg_region] bytes).
+  uint8_t* stg;
+  uint64_t stg_off_seq, stg_off_flags, stg_off_data, stg_region;
+  int64_t stg_max_chunks;
+  int32_t stg_blocks;  // counters kept in step (the communicator's grid)
+  uint32_t os_site;    // the call site's tag (low bits of comm_id)
+  int64_t os_elems;    // the operand's elements
+  int64_t os_chunk;    // kOneShot: elements per chunk
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -369,6 +408,7 @@ struct Shared {
   const uint8_t* pin[kMaxRanks];
   uint8_t* pout[kMaxRanks];
   uint8_t* peer_base[kMaxRanks];
+  uint8_t* stg_peer[kMaxRanks];  // one-shot: the peers' staging blocks
   const void* src[kMaxRanks];  // sources of the current step
   void* dst[kMaxRanks];        // peers' buffers the current step writes (pushes)
 };
@@ -614,25 +654,291 @@ done:
   if (tid == 0) blk_seq[b] = sh.k;  // the next kernel on this stream sees it (stream order)
 }
 
-using KernelFn = void (*)(const Params);
+// ---------------------------------------------------------------------------------------------
+// One-shot kernels (Mode::kLL, Mode::kOneShot): see "One-shot all-reduce" at the top.
 
-template <class E>
-constexpr KernelFn kernel_for_op(int op) {
-  return op == 0 ? &collective_kernel<E, OpSum> : op == 1 ? &collective_kernel<E, OpMax>
-                                                          : &collective_kernel<E, OpMin>;
+// The inbox slot that rank `src` owns on rank `dst` (n-1 per parity: none for itself).
+__device__ __forceinline__ int inbox_slot(int src, int dst) { return src < dst ? src : src - 1; }
+
+__device__ __forceinline__ uint8_t* stg_data(const Params& p, uint8_t* base, int par, int slot) {
+  return base + p.stg_off_data + (static_cast<uint64_t>(par) * (p.nranks - 1) + slot) * p.stg_region;
+}
+__device__ __forceinline__ uint64_t* stg_flags(const Params& p, uint8_t* base, int par, int slot) {
+  return reinterpret_cast<uint64_t*>(base + p.stg_off_flags) +
+         (static_cast<int64_t>(par) * (p.nranks - 1) + slot) * p.stg_max_chunks;
 }
 
-KernelFn KernelFor(DType d, int op) {
+// Prologue of both one-shot kernels: this call's number from the communicator's counter, the
+// peers' site and staging bases. Returns false when the device is stopped (the call is skipped,
+// the peers are told).
+__device__ bool oneshot_begin(const Params& p, Shared& sh) {
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  const uint64_t* stg_peer = reinterpret_cast<const uint64_t*>(p.stg);
+  for (int i = threadIdx.x; i < p.nranks; i += kThreads) {
+    sh.peer_base[i] = reinterpret_cast<uint8_t*>(peer_base[i]);
+    sh.stg_peer[i] = reinterpret_cast<uint8_t*>(stg_peer[i]);
+  }
+  if (threadIdx.x == 0) {
+    sh.k = reinterpret_cast<const uint32_t*>(p.stg + p.stg_off_seq)[blockIdx.x] + 1;
+    sh.fail = sync::ld_relaxed_sys(p.dev_claim) != 0u;
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+  }
+  __syncthreads();
+  if (sh.fail) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    return false;
+  }
+  return true;
+}
+
+// Thread 0 at the end: the communicator's counters move to this call, all of them (a later
+// one-shot kernel may run a larger grid).
+__device__ void oneshot_end(const Params& p, const Shared& sh) {
+  if (threadIdx.x != 0) return;
+  uint32_t* seq = reinterpret_cast<uint32_t*>(p.stg + p.stg_off_seq);
+  seq[blockIdx.x] = sh.k;
+  if (blockIdx.x == 0)
+    for (int j = gridDim.x; j < p.stg_blocks; ++j) seq[j] = sh.k;
+}
+
+// 8 bytes of `src` at line i (bytes [8i, 8i + 8) cut at `bytes`, zeros past the end).
+__device__ __forceinline__ uint2 load_line(const uint8_t* src, int64_t i, int64_t bytes, bool aligned8) {
+  const int64_t at = 8 * i;
+  if (aligned8 && at + 8 <= bytes) return *reinterpret_cast<const uint2*>(src + at);
+  uint8_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < 8 && at + j < bytes; ++j) t[j] = src[at + j];
+  uint2 v;
+  memcpy(&v, t, 8);
+  return v;
+}
+__device__ __forceinline__ void store_line(uint8_t* dst, int64_t i, int64_t bytes, bool aligned8, uint2 v) {
+  const int64_t at = 8 * i;
+  if (aligned8 && at + 8 <= bytes) { *reinterpret_cast<uint2*>(dst + at) = v; return; }
+  uint8_t t[8];
+  memcpy(t, &v, 8);
+  for (int j = 0; j < 8 && at + j < bytes; ++j) dst[at + j] = t[j];
+}
+
+// The elements of one 8-byte line, accumulated in E::A.
+template <class E, class Op>
+struct LineAcc {
+  using S = typename E::S;
+  using A = typename E::A;
+  static constexpr int N = 8 / sizeof(S);
+  A a[N];
+  __device__ __forceinline__ void set(uint2 v) {
+    S s[N];
+    memcpy(s, &v, 8);
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = E::load(s[e]);
+  }
+  __device__ __forceinline__ void add(uint2 v) {
+    S s[N];
+    memcpy(s, &v, 8);
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = Op::apply(a[e], E::load(s[e]));
+  }
+  __device__ __forceinline__ uint2 get() const {
+    S s[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[e] = E::store(a[e]);
+    uint2 v;
+    memcpy(&v, s, 8);
+    return v;
+  }
+};
+
+// Any thread: wait until `src`'s LL line carries this call's flags. False (after fail_call) when
+// the call must stop: the producer gave up, the device stopped, or the budget ran out (a line
+// whose first flag is this call but whose second is not came from another call site: mismatch).
+__device__ bool ll_wait(const Params& p, Shared& sh, const uint4* line, uint32_t f0, uint32_t f1, int src,
+                        int64_t elem_off, uint2* d) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  for (uint32_t round = 1;; ++round) {
+    const uint4 v = sync::ld_volatile_v4(line);
+    if (v.y == f0 && v.w == f1) {
+      *d = make_uint2(v.x, v.z);
+      return true;
+    }
+    if ((round & 255u) == 0) {
+      if (*reinterpret_cast<volatile int*>(&sh.fail)) return false;
+      if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {
+        fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+        return false;
+      }
+      if (sync::ld_relaxed_sys(p.dev_claim) != 0u) {
+        fail_call(p, sh, 0, src, -1, elem_off, kAtOneShot, 0);
+        return false;
+      }
+      if (sync::globaltimer_ns() > sh.deadline) {
+        fail_call(p, sh, v.y == f0 ? kErrMismatch : kErrTimeout, src, -1, elem_off, kAtOneShot, v.y);
+        return false;
+      }
+    }
+  }
+}
+
+// Mode::kLL. Thread t of block b owns lines b * kThreads + t + j * grid * kThreads. It first
+// writes each of its lines into every peer's inbox (slot k & 1), then, per line, reads the
+// peers' lines from its own inbox and reduces in rank order.
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) ll_kernel(const Params p) {
+  __shared__ Shared sh;
+  if (oneshot_begin(p, sh)) {
+    const int n = p.nranks, me = p.rank;
+    const uint32_t k = sh.k, f0 = k, f1 = k ^ p.os_site;
+    const int par = static_cast<int>(k & 1u);
+    const int64_t bytes = p.os_elems * static_cast<int64_t>(sizeof(typename E::S));
+    const int64_t lines = (bytes + 7) / 8;
+    const uint8_t* in = static_cast<const uint8_t*>(p.in);
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    const bool in8 = (reinterpret_cast<uintptr_t>(in) & 7u) == 0;
+    const bool out8 = (reinterpret_cast<uintptr_t>(out) & 7u) == 0;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    for (int64_t i = first; i < lines; i += stride) {
+      const uint2 d = load_line(in, i, bytes, in8);
+      for (int dst = 0; dst < n; ++dst) {
+        if (dst == me) continue;
+        uint4* line = reinterpret_cast<uint4*>(stg_data(p, sh.stg_peer[dst], par, inbox_slot(me, dst))) + i;
+        sync::st_volatile_v4(line, d.x, f0, d.y, f1);
+      }
+    }
+    bool ok = true;
+    for (int64_t i = first; ok && i < lines; i += stride) {
+      const uint2 mine = load_line(in, i, bytes, in8);
+      LineAcc<E, Op> acc;
+      for (int src = 0; ok && src < n; ++src) {
+        uint2 d = mine;
+        if (src != me) {
+          const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
+          ok = ll_wait(p, sh, line, f0, f1, src, 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
+        }
+        if (src == 0) acc.set(d);
+        else acc.add(d);
+      }
+      if (ok) store_line(out, i, bytes, out8, acc.get());
+    }
+  }
+  oneshot_end(p, sh);
+}
+
+// Thread 0: wait until `flag` holds this call's tag (call number | site << 32), with the budget.
+__device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint64_t tag, int src, int64_t elem_off) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  const uint32_t k = static_cast<uint32_t>(tag);
+  for (uint32_t round = 1;; ++round) {
+    const uint64_t v = sync::ld_acquire_sys_u64(flag);
+    const uint32_t seen = static_cast<uint32_t>(v);
+    if (sync::seq_reached(seen, k)) {
+      if (v == tag) {
+        sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+        return true;
+      }
+      fail_call(p, sh, seen != k ? kErrAhead : kErrMismatch, src, -1, elem_off, kAtOneShot, seen);
+      return false;
+    }
+    if ((round & 63u) == 0) {
+      if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {
+        fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+        return false;
+      }
+      if (sync::ld_relaxed_sys(p.dev_claim) != 0u) {
+        fail_call(p, sh, 0, src, -1, elem_off, kAtOneShot, 0);
+        return false;
+      }
+      if (sync::globaltimer_ns() > sh.deadline) {
+        fail_call(p, sh, kErrTimeout, src, -1, elem_off, kAtOneShot, seen);
+        return false;
+      }
+      if (round > 4096u) __nanosleep(256);
+    }
+  }
+}
+
+// Mode::kOneShot. Block b owns chunks b, b + grid, ...: it copies chunk c into every peer's inbox
+// and release-flags it there, and reduces chunk c once every peer's flag for c is in, sending
+// chunk c + grid before it waits for c.
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
+  using S = typename E::S;
+  __shared__ Shared sh;
+  if (oneshot_begin(p, sh)) {
+    const int n = p.nranks, me = p.rank, tid = threadIdx.x;
+    const uint32_t k = sh.k;
+    const uint64_t tag = (static_cast<uint64_t>(p.os_site) << 32) | k;
+    const int par = static_cast<int>(k & 1u);
+    const S* in = static_cast<const S*>(p.in);
+    S* out = static_cast<S*>(p.out);
+    const int64_t C = p.os_chunk, total = p.os_elems;
+    const int64_t nch = (total + C - 1) / C;
+    auto send = [&](int64_t c) {
+      const int64_t lo = c * C, len = min(C, total - lo);
+      if (tid == 0) {
+        int nd = 0;
+        for (int dst = 0; dst < n; ++dst)
+          if (dst != me)
+            sh.dst[nd++] = stg_data(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + lo * sizeof(S);
+      }
+      __syncthreads();
+      combine_range<E, Op>(nullptr, in + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), n - 1, len);
+      __syncthreads();  // every thread's stores before the release
+      if (tid == 0)
+        for (int dst = 0; dst < n; ++dst)
+          if (dst != me) sync::st_release_sys_u64(stg_flags(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + c, tag);
+    };
+    auto reduce = [&](int64_t c) {
+      const int64_t lo = c * C, len = min(C, total - lo);
+      if (tid == 0) {
+        bool ok = true;
+        for (int src = 0; ok && src < n; ++src)
+          if (src != me) ok = wait_tag(p, sh, stg_flags(p, p.stg, par, inbox_slot(src, me)) + c, tag, src, lo);
+        for (int src = 0; src < n; ++src)  // in rank order: every rank rounds the same way
+          sh.src[src] = src == me ? static_cast<const void*>(in + lo)
+                                  : stg_data(p, p.stg, par, inbox_slot(src, me)) + lo * sizeof(S);
+      }
+      __syncthreads();
+      if (sh.fail) return false;
+      combine_range<E, Op>(out + lo, static_cast<const S*>(sh.src[0]), reinterpret_cast<const S* const*>(sh.src + 1),
+                           n - 1, nullptr, 0, len);
+      __syncthreads();  // sh.src / sh.dst are rewritten by the next step
+      return true;
+    };
+    int64_t c = blockIdx.x;
+    if (c < nch) send(c);
+    for (; c < nch; c += gridDim.x) {
+      if (c + gridDim.x < nch) send(c + gridDim.x);
+      if (!reduce(c)) break;
+    }
+  }
+  oneshot_end(p, sh);
+}
+
+using KernelFn = void (*)(const Params);
+
+template <class E, class Op>
+constexpr KernelFn kernel_for_mode(Mode m) {
+  return m == Mode::kLL ? &ll_kernel<E, Op> : m == Mode::kOneShot ? &oneshot_kernel<E, Op> : &collective_kernel<E, Op>;
+}
+
+template <class E>
+constexpr KernelFn kernel_for_op(int op, Mode m) {
+  return op == 0 ? kernel_for_mode<E, OpSum>(m) : op == 1 ? kernel_for_mode<E, OpMax>(m) : kernel_for_mode<E, OpMin>(m);
+}
+
+KernelFn KernelFor(DType d, int op, Mode m) {
   switch (d) {
-    case DType::kF32: return kernel_for_op<EF32>(op);
-    case DType::kF64: return kernel_for_op<EF64>(op);
-    case DType::kBF16: return kernel_for_op<EBF16>(op);
-    case DType::kF16: return kernel_for_op<EF16>(op);
-    case DType::kS32: return kernel_for_op<ES32>(op);
-    case DType::kS64: return kernel_for_op<ES64>(op);
+    case DType::kF32: return kernel_for_op<EF32>(op, m);
+    case DType::kF64: return kernel_for_op<EF64>(op, m);
+    case DType::kBF16: return kernel_for_op<EBF16>(op, m);
+    case DType::kF16: return kernel_for_op<EF16>(op, m);
+    case DType::kS32: return kernel_for_op<ES32>(op, m);
+    case DType::kS64: return kernel_for_op<ES64>(op, m);
   }
   return nullptr;
 }
+
+constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot};
 
 // ---------------------------------------------------------------------------------------------
 // Host state.
@@ -667,6 +973,12 @@ struct Comm {
   std::vector<int> devices;
   int blocks = 0;
   std::vector<Site*> sites;
+  // One-shot staging, one block per rank (Params::stg layout), made at the first one-shot site.
+  bool stg_made = false;
+  std::vector<uint8_t*> stg;
+  size_t stg_bytes = 0, stg_dyn = 0;  // [stg_dyn, stg_bytes): counters, flags, data (zeroed by reset)
+  uint64_t off_seq = 0, off_flags = 0, off_data = 0, region = 0;  // region 0: no one-shot on this comm
+  int64_t max_chunks = 0;
 };
 
 }  // namespace
@@ -674,6 +986,7 @@ struct Comm {
 struct Site {
   Comm* comm = nullptr;
   int rank = 0, nranks = 0, device = 0, esize = 0, grid = 1;
+  Mode mode = Mode::kTree;
   int64_t total = 0, units = 0;
   std::vector<int32_t> words;
   std::atomic<const int32_t*> last_ptr{nullptr};
@@ -712,15 +1025,16 @@ std::string EnsureDeviceLocked(int d, DeviceState** out) {
   // Load every kernel on this device now, before any kernel of ours can wait on a peer.
   int occ = 1 << 30;
   for (int dt = 0; dt < kNumDTypes; ++dt)
-    for (int op = 0; op < kNumOps; ++op) {
-      KernelFn fn = KernelFor(static_cast<DType>(dt), op);
-      cudaFuncAttributes attr;
-      JB_TRY("loading kernels (cudaFuncGetAttributes)", cudaFuncGetAttributes(&attr, fn));
-      int nb = 0;
-      JB_TRY("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, kThreads, 0));
-      occ = std::min(occ, nb);
-    }
+    for (int op = 0; op < kNumOps; ++op)
+      for (Mode m : kModes) {
+        KernelFn fn = KernelFor(static_cast<DType>(dt), op, m);
+        cudaFuncAttributes attr;
+        JB_TRY("loading kernels (cudaFuncGetAttributes)", cudaFuncGetAttributes(&attr, fn));
+        int nb = 0;
+        JB_TRY("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+               cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, kThreads, 0));
+        occ = std::min(occ, nb);
+      }
   if (occ < 1) return "jax_blink CUDA executor: the collective kernel cannot be resident on device " + std::to_string(d);
   s->occupancy = occ;
   void* h = nullptr;
@@ -788,6 +1102,66 @@ std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, C
 }
 
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// A byte count from the environment (decimal or 0x...), `fallback` when unset or not a number >= 0.
+int64_t EnvBytes(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == 0) return fallback;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 0);
+  return (end != e && *end == 0 && v >= 0) ? v : fallback;
+}
+int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
+int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
+
+// The communicator's one-shot staging: per rank 2 * (n-1) inbox slots of `region` bytes (sized
+// for the default limits) and their chunk flags, within min(1% of the smallest device's memory,
+// 256 MiB); halved until it fits (region 0: one-shot off on this communicator).
+std::string EnsureStagingLocked(Comm* c) {
+  if (c->stg_made) return {};
+  const int n = static_cast<int>(c->devices.size());
+  DeviceGuard guard;
+  size_t mem_min = SIZE_MAX;
+  for (int d : c->devices) {
+    size_t free_b = 0, total_b = 0;
+    JB_TRY("cudaSetDevice", cudaSetDevice(d));
+    JB_TRY("cudaMemGetInfo", cudaMemGetInfo(&free_b, &total_b));
+    mem_min = std::min(mem_min, total_b);
+  }
+  const uint64_t budget = std::min<uint64_t>(mem_min / 100, uint64_t{256} << 20);
+  const uint64_t slots = 2ull * (n - 1);
+  uint64_t region = AlignUp(static_cast<size_t>(std::max<int64_t>(2 * std::min<int64_t>(DefaultLLMax(), int64_t{1} << 30),
+                                                                  DefaultOneShotMax(n))), 4096);
+  if (n < 2 || n > kMaxRanks) region = 0;
+  auto chunks_for = [](uint64_t r) { return static_cast<int64_t>(r / kMinOneShotChunk + 1); };
+  auto total_for = [&](uint64_t r) { return slots * (r + 8ull * chunks_for(r)); };
+  while (region > 0 && total_for(region) > budget) region = region / 2 / 4096 * 4096;
+  c->region = region;
+  c->max_chunks = region > 0 ? chunks_for(region) : 0;
+  c->off_seq = AlignUp(8ull * n, 128);
+  c->off_flags = AlignUp(c->off_seq + 4ull * c->blocks, 128);
+  c->off_data = AlignUp(c->off_flags + 8ull * slots * c->max_chunks, 256);
+  c->stg_bytes = region > 0 ? AlignUp(c->off_data + slots * region, 256) : 0;
+  c->stg_dyn = c->off_seq;
+  c->stg.assign(n, nullptr);
+  if (region > 0) {
+    for (int r = 0; r < n; ++r) {
+      JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
+      JB_TRY("cudaMalloc (one-shot staging)", cudaMalloc(&c->stg[r], c->stg_bytes));
+    }
+    std::vector<uint64_t> peers(n);
+    for (int r = 0; r < n; ++r) peers[r] = reinterpret_cast<uint64_t>(c->stg[r]);
+    for (int r = 0; r < n; ++r) {
+      DeviceState* ds = g_dev[c->devices[r]].load();
+      JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
+      JB_TRY("cudaMemcpyAsync (staging peers)", cudaMemcpyAsync(c->stg[r], peers.data(), 8 * n, cudaMemcpyHostToDevice, ds->stream));
+      JB_TRY("cudaMemsetAsync (staging)", cudaMemsetAsync(c->stg[r] + c->stg_dyn, 0, c->stg_bytes - c->stg_dyn, ds->stream));
+      JB_TRY("cudaStreamSynchronize (staging)", cudaStreamSynchronize(ds->stream));
+    }
+  }
+  c->stg_made = true;
+  return {};
+}
 
 std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
                              const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
@@ -888,6 +1262,49 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   base.comm_id = comm_id;
   base.grid = std::max(1, std::min(G, U));
 
+  // One-shot instead of the trees: an all-reduce (every live tree reduces and broadcasts, no
+  // gaps) within the limits and the communicator's staging.
+  Mode mode = Mode::kTree;
+  {
+    bool allreduce = n >= 2 && !live.empty() && gaps.empty();
+    for (int t : live) allreduce = allreduce && prog.tree(t).phases == (kPhaseReduce | kPhaseBroadcast);
+    const int64_t payload = prog.total_elems() * esize;
+    const int64_t ll_max = opt.ll_max_bytes >= 0 ? opt.ll_max_bytes : DefaultLLMax();
+    const int64_t os_max = n == 2 ? (opt.oneshot_max_bytes >= 0 ? opt.oneshot_max_bytes : DefaultOneShotMax(n)) : 0;
+    if (allreduce && payload > 0) {
+      if (n <= kMaxLLRanks && payload <= ll_max) mode = Mode::kLL;
+      else if (payload <= os_max) mode = Mode::kOneShot;
+    }
+    if (mode != Mode::kTree) {
+      std::string serr = EnsureStagingLocked(comm);
+      if (!serr.empty()) return serr;
+      const uint64_t need = mode == Mode::kLL ? static_cast<uint64_t>((payload + 7) / 8) * 16 : static_cast<uint64_t>(payload);
+      if (need > comm->region) mode = Mode::kTree;
+    }
+    if (mode != Mode::kTree) {
+      base.stg_off_seq = comm->off_seq;
+      base.stg_off_flags = comm->off_flags;
+      base.stg_off_data = comm->off_data;
+      base.stg_region = comm->region;
+      base.stg_max_chunks = comm->max_chunks;
+      base.stg_blocks = G;
+      base.os_site = static_cast<uint32_t>(comm_id) | 1u;  // never 0: k ^ site != k
+      base.os_elems = prog.total_elems();
+      if (mode == Mode::kLL) {
+        const int64_t lines = (payload + 7) / 8;
+        base.grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
+      } else {
+        // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte multiples).
+        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + G - 1) / G, 16));
+        const int64_t cbytes = std::max<int64_t>(kMinOneShotChunk, AlignUp(std::min<int64_t>(prog.chunk_elems() * esize, spread), 16));
+        base.os_chunk = cbytes / esize;
+        const int64_t nch = (prog.total_elems() + base.os_chunk - 1) / base.os_chunk;
+        if (nch > comm->max_chunks) return "jax_blink CUDA executor: internal: one-shot chunks exceed the staging flags";
+        base.grid = static_cast<int>(std::min<int64_t>(G, nch));
+      }
+    }
+  }
+
   std::vector<uint8_t*> mem(n, nullptr);
   auto free_all = [&] { for (int r = 0; r < n; ++r) if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); } };
   for (int r = 0; r < n; ++r) {
@@ -955,6 +1372,8 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     s->params.device = devices[r];
     s->params.dev_claim = ds->claim;
     s->params.rec = ds->rec_dev;
+    s->mode = mode;
+    if (mode != Mode::kTree) s->params.stg = comm->stg[r];
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
     g_sites.push_back(std::move(s));
@@ -964,10 +1383,13 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
 
 std::string Describe(const ErrorRecord& r) {
   static const char* kAt[] = {"waiting for its buffer pointers", "reduce", "broadcast",
-                              "exit: waiting for it to finish reading this rank's buffers"};
-  const char* at = (r.phase >= 0 && r.phase < 4) ? kAt[r.phase] : "?";
-  std::string where = "tree " + std::to_string(r.tree) + ", chunk " + std::to_string(r.chunk) +
-                      " (element " + std::to_string(r.elem_offset) + ", " + at + ")";
+                              "exit: waiting for it to finish reading this rank's buffers",
+                              "one-shot: waiting for its data in the inbox"};
+  const char* at = (r.phase >= 0 && r.phase < 5) ? kAt[r.phase] : "?";
+  std::string where = r.phase == kAtOneShot
+                          ? std::string(at) + " (element " + std::to_string(r.elem_offset) + ")"
+                          : "tree " + std::to_string(r.tree) + ", chunk " + std::to_string(r.chunk) + " (element " +
+                                std::to_string(r.elem_offset) + ", " + at + ")";
   std::string who = "jax_blink CUDA executor: GPU " + std::to_string(r.device) + ", rank " + std::to_string(r.rank) +
                     " of " + std::to_string(r.nranks) + ", collective " + std::to_string(r.comm_id) +
                     ", call #" + std::to_string(r.seq) + ": ";
@@ -982,6 +1404,9 @@ std::string Describe(const ErrorRecord& r) {
   else if (r.kind == kErrAborted)
     what = "rank " + std::to_string(r.peer) + " gave up (at its call #" + std::to_string(r.observed) +
            ") while this rank waited for it in " + where + "; see the error of rank " + std::to_string(r.peer) + "'s GPU.";
+  else if (r.kind == kErrMismatch)
+    what = "rank " + std::to_string(r.peer) + " ran another collective at this call (" + where +
+           "): the ranks ran this communicator's collectives in different orders.";
   else
     what = "failed (kind " + std::to_string(r.kind) + ") in " + where + ".";
   return who + what + " Every collective on this GPU now fails until jax_blink._blink_cuda.reset() (call it when nothing runs).";
@@ -1089,6 +1514,16 @@ int SiteEsize(const Site* s) { return s->esize; }
 int64_t SiteTotalElems(const Site* s) { return s->total; }
 int64_t SiteUnits(const Site* s) { return s->units; }
 int SiteGrid(const Site* s) { return s->grid; }
+Mode SiteMode(const Site* s) { return s->mode; }
+
+const char* ModeName(Mode m) {
+  switch (m) {
+    case Mode::kTree: return "tree";
+    case Mode::kLL: return "ll";
+    case Mode::kOneShot: return "oneshot";
+  }
+  return "?";
+}
 
 bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len) {
   if (static_cast<size_t>(len) != s->words.size()) return false;
@@ -1101,7 +1536,7 @@ bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len) {
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,
                    int64_t timeout_ms) {
   if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
-  KernelFn fn = KernelFor(dtype, op);
+  KernelFn fn = KernelFor(dtype, op, s->mode);
   if (fn == nullptr) return "jax_blink CUDA executor: unsupported dtype";
   Params p = s->params;
   p.in = in;
@@ -1150,6 +1585,14 @@ std::string ResetAll() {
     JB_TRY("cudaSetDevice", cudaSetDevice(s->device));
     JB_TRY("cudaMemsetAsync (reset)", cudaMemsetAsync(s->mem, 0, s->dyn_bytes, ds->stream));
   }
+  for (auto& [key, c] : g_comms)
+    for (size_t r = 0; r < c->stg.size(); ++r)
+      if (c->stg[r] != nullptr) {
+        DeviceState* ds = g_dev[c->devices[r]].load();
+        JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
+        JB_TRY("cudaMemsetAsync (reset staging)",
+               cudaMemsetAsync(c->stg[r] + c->stg_dyn, 0, c->stg_bytes - c->stg_dyn, ds->stream));
+      }
   for (int d = 0; d < kMaxDevices; ++d)
     if (DeviceState* ds = g_dev[d].load()) {
       JB_TRY("cudaSetDevice", cudaSetDevice(d));
@@ -1166,6 +1609,9 @@ void ReleaseAll() {
   for (int d = 0; d < kMaxDevices; ++d)
     if (g_dev[d].load()) { cudaSetDevice(d); cudaDeviceSynchronize(); }
   for (auto& s : g_sites) { cudaSetDevice(s->device); cudaFree(s->mem); }
+  for (auto& [key, c] : g_comms)
+    for (size_t r = 0; r < c->stg.size(); ++r)
+      if (c->stg[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->stg[r]); }
   g_sites.clear();
   g_site_by_dev.clear();
   g_pending.clear();
@@ -1191,13 +1637,19 @@ std::vector<CommInfo> Comms() {
     std::map<int, int64_t> per_dev;
     for (Site* s : c->sites) {
       per_dev[s->device] += static_cast<int64_t>(s->mem_bytes);
+      ++info.sites_by_mode[static_cast<int>(s->mode)];
     }
     for (auto& [d, b] : per_dev) info.control_bytes = std::max(info.control_bytes, b);
+    info.staging_bytes = static_cast<int64_t>(c->stg_bytes);
     out.push_back(info);
   }
   return out;
 }
 
-const char* Version() { return "jax_blink CUDA executor 0.2.0 (program format v1, push: remote writes where the tree allows, in-place reads elsewhere)"; }
+const char* Version() {
+  return "jax_blink CUDA executor 0.3.0 (program format v1; one-shot all-reduce through a staging inbox "
+         "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
+         "in-place reads elsewhere)";
+}
 
 }  // namespace jax_blink::cuda

@@ -28,7 +28,22 @@ struct Options {
   // the program's chunk (clamped to [min_piece_bytes, 4 MiB]) and at least min_piece_bytes, so
   // that small operands still spread over the grid and large ones pipeline.
   int64_t min_piece_bytes = 8192;
+  // One-shot all-reduce through the communicator's staging inbox (see cuda_executor.cu): a site
+  // whose program is an all-reduce (every tree reduces and broadcasts, no gaps) of at most
+  // ll_max_bytes per rank uses LL lines (data and flag in one store; any rank count up to 8); of
+  // at most oneshot_max_bytes on 2 ranks, chunks with one release flag each. -1: the default
+  // (JAX_BLINK_LL_BYTES / JAX_BLINK_ONESHOT_BYTES from the environment, else kDefault*); 0: off.
+  // Never more than the communicator's staging holds (sized from the defaults at its first
+  // one-shot site, within min(1% of device memory, 256 MiB)).
+  int64_t ll_max_bytes = -1;
+  int64_t oneshot_max_bytes = -1;
 };
+constexpr int64_t kDefaultLLMaxBytes = 256 << 10;
+constexpr int64_t kDefaultOneShotMaxBytes = 16 << 20;
+
+// How a site runs (SiteMode): the tree kernel, or one of the one-shot kernels.
+enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2 };
+const char* ModeName(Mode m);
 
 // One call site's state for one rank: opaque. Lives until Release().
 struct Site;
@@ -76,15 +91,17 @@ void ReleaseAll();
 struct CommInfo {
   std::vector<int> devices;
   int blocks = 0;
-  int64_t staging_bytes = 0;  // per device; 0: data moves between the ranks' own buffers (push/pull in place)
+  int64_t staging_bytes = 0;  // per rank: the one-shot inbox (0 until a one-shot site exists)
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
   int num_sites = 0;
+  int sites_by_mode[3] = {0, 0, 0};  // indexed by Mode: tree, ll, oneshot
 };
 std::vector<CommInfo> Comms();
 
 // Elements per piece and number of pieces of a site (tests, benchmark notes).
 int64_t SiteUnits(const Site* s);
 int SiteGrid(const Site* s);
+Mode SiteMode(const Site* s);
 
 const char* Version();
 

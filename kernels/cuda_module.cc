@@ -224,8 +224,8 @@ NB_MODULE(_blink_cuda, m) {
         for (const jbc::CommInfo& c : jbc::Comms()) most = std::max(most, c.staging_bytes);
         return most;
       },
-      "Largest staging allocation of any communicator, per device, in bytes (0: peers' buffers are "
-      "read in place).");
+      "Largest staging allocation of any communicator, per rank, in bytes (the one-shot inbox; 0 until "
+      "a one-shot all-reduce was set up).");
 
   m.def(
       "comms",
@@ -238,12 +238,16 @@ NB_MODULE(_blink_cuda, m) {
           d["staging_bytes"] = c.staging_bytes;
           d["control_bytes"] = c.control_bytes;
           d["num_sites"] = c.num_sites;
+          nb::dict modes;
+          for (int m = 0; m < 3; ++m) modes[jbc::ModeName(static_cast<jbc::Mode>(m))] = c.sites_by_mode[m];
+          d["sites_by_mode"] = modes;
           out.append(d);
         }
         return out;
       },
-      "One dict per communicator (ordered device set): devices, blocks, staging_bytes, control_bytes "
-      "(flags, pointer tables and plans of its call sites, on its largest device), num_sites.");
+      "One dict per communicator (ordered device set): devices, blocks, staging_bytes (the one-shot inbox "
+      "per rank), control_bytes (flags, pointer tables and plans of its call sites, on its largest device), "
+      "num_sites, sites_by_mode ({'tree', 'll', 'oneshot'} -> how many of its sites run each kernel).");
 
   m.def(
       "release",

@@ -15,7 +15,9 @@
 //              events over back-to-back launches (stream) and over a captured CUDA graph of calls
 //              (graph, up to 16 MiB), algbw = bytes/time, busbw = algbw * 2(n-1)/n = algbw.
 //              Options: --dtype f32|bf16, --chunk BYTES (program chunk, default 512 KiB),
-//              --max BYTES (largest size, default 1 GiB).
+//              --min/--max BYTES (sizes, default 1 KiB .. 1 GiB), --mode auto|tree|ll|oneshot
+//              (the kernel: auto takes the executor's limits; a forced mode that does not fit the
+//              staging runs the trees, and the table's mode column says so).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -35,6 +37,7 @@
 
 using namespace jax_blink;
 using jax_blink::cuda::DType;
+using jax_blink::cuda::Mode;
 
 #define CK(expr)                                                                                     \
   do {                                                                                               \
@@ -239,6 +242,22 @@ void SyncAll(const std::vector<Rank>& ranks) {
 
 std::string AnyDeviceError() { return cuda::CheckAll(); }
 
+// Options that make an all-reduce site run in `mode` (the limits allow it; the staging decides).
+void ForceMode(cuda::Options* opt, Mode mode) {
+  opt->ll_max_bytes = mode == Mode::kLL ? int64_t{1} << 40 : 0;
+  opt->oneshot_max_bytes = mode == Mode::kOneShot ? int64_t{1} << 40 : 0;
+}
+
+// Set-up of a site that must run in `mode`: "" or what went wrong.
+std::string MakeSites(const std::vector<int>& devices, const std::vector<int32_t>& prog, int esize,
+                      cuda::Options opt, Mode mode, std::vector<cuda::Site*>* sites) {
+  ForceMode(&opt, mode);
+  std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), esize, opt, ++g_comm_id, sites);
+  if (err.empty() && cuda::SiteMode((*sites)[0]) != mode)
+    err = std::string("the site runs in mode ") + cuda::ModeName(cuda::SiteMode((*sites)[0])) + ", not " + cuda::ModeName(mode);
+  return err;
+}
+
 // ---------------------------------------------------------------------------------------------
 // A correctness case.
 
@@ -256,6 +275,7 @@ struct Case {
   int64_t min_piece = 8192;
   bool reverse_launch = false;
   uint64_t alias_ranks = 0;  // these ranks only: in == out (the others not)
+  Mode mode = Mode::kTree;   // the kernel the site must run (the case fails if it does not)
   bool Aliased(int r) const { return alias || ((alias_ranks >> r) & 1u); }
 };
 
@@ -276,7 +296,7 @@ bool RunCase(const Case& c) {
   opt.blocks = BlocksFor(c.devices, c.blocks);
   opt.min_piece_bytes = c.min_piece;
   std::vector<cuda::Site*> sites;
-  std::string err = cuda::CreateSite(c.devices, prog.data(), static_cast<int64_t>(prog.size()), es, opt, ++g_comm_id, &sites);
+  std::string err = MakeSites(c.devices, prog, es, opt, c.mode, &sites);
   if (!err.empty()) { Report(false, c.name, "set-up: " + err); return false; }
   const size_t bytes = static_cast<size_t>(c.total) * es;
   std::vector<Rank> ranks = MakeRanks(c.devices, bytes);
@@ -348,9 +368,10 @@ bool RunCase(const Case& c) {
   for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; }
   for (Rank& r : ranks) { CK(cudaFree(r.in)); CK(cudaStreamDestroy(r.stream)); }
   char detail[256];
-  std::snprintf(detail, sizeof detail, "%d ranks, %lld elems, %lld units, grid %d, %.1f ms%s%s", n,
-                static_cast<long long>(c.total), static_cast<long long>(cuda::SiteUnits(sites[0])),
-                cuda::SiteGrid(sites[0]), ms, wrong ? "; " : "", first.c_str());
+  std::snprintf(detail, sizeof detail, "%s, %d ranks, %lld elems, %lld units, grid %d, %.1f ms%s%s",
+                cuda::ModeName(c.mode), n, static_cast<long long>(c.total),
+                static_cast<long long>(cuda::SiteUnits(sites[0])), cuda::SiteGrid(sites[0]), ms, wrong ? "; " : "",
+                first.c_str());
   std::string d = detail;
   if (wrong) d += " (" + std::to_string(wrong) + " wrong)";
   if (differ) d += "; ranks not bitwise identical in " + std::to_string(differ) + " (tree, rank) pairs";
@@ -365,7 +386,7 @@ bool RunCase(const Case& c) {
 // switch_alias (stream mode only): rank 0 runs every third call in place (in == out), so its
 // parent-side pull/push choice changes from call to call while its peers stay out of place.
 bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph,
-                bool switch_alias = false) {
+                bool switch_alias = false, Mode mode = Mode::kTree) {
   const int n = static_cast<int>(devices.size());
   auto trees = SplitStars(n, total, 4);
   if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
@@ -374,7 +395,7 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
   opt.blocks = BlocksFor(devices, 0);
   opt.min_piece_bytes = 1024;
   std::vector<cuda::Site*> sites;
-  std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), 4, opt, ++g_comm_id, &sites);
+  std::string err = MakeSites(devices, prog, 4, opt, mode, &sites);
   if (!err.empty()) { Report(false, name, err); return false; }
   const size_t bytes = total * 4;
   std::vector<Rank> ranks = MakeRanks(devices, bytes);
@@ -465,10 +486,105 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Several sites of one communicator, called in turns (one-shot sites share the communicator's
+// inbox and call counter; tree sites have their own): int32 sums, exact, as RunChained.
+
+bool RunInterleaved(const std::string& name, const std::vector<int>& devices, int rounds, bool graph) {
+  const int n = static_cast<int>(devices.size());
+  struct One { int64_t total; Mode mode; std::vector<cuda::Site*> sites; std::vector<Rank> ranks;
+               std::vector<uint32_t> sum; };
+  std::vector<One> all;
+  all.push_back({1001, Mode::kLL});
+  all.push_back({20000, Mode::kTree});
+  if (n == 2) all.push_back({300001, Mode::kOneShot});
+  all.push_back({5, Mode::kLL});
+  if (n == 2) all.push_back({4096, Mode::kOneShot});
+  cuda::Options opt;
+  opt.blocks = BlocksFor(devices, 0);
+  opt.min_piece_bytes = 1024;
+  std::mt19937 rng(11);
+  for (One& o : all) {
+    std::vector<int32_t> prog = MakeProgram(n, 2048, o.total, SplitStars(n, o.total, 4));
+    std::string err = MakeSites(devices, prog, 4, opt, o.mode, &o.sites);
+    if (!err.empty()) { Report(false, name, err); return false; }
+    o.ranks = MakeRanks(devices, o.total * 4);
+    o.sum.assign(o.total, 0);
+    std::vector<int32_t> h(o.total);
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < o.total; ++i) { h[i] = static_cast<int32_t>(rng()); o.sum[i] += static_cast<uint32_t>(h[i]); }
+      CK(cudaSetDevice(devices[r]));
+      CK(cudaMemcpy(o.ranks[r].in, h.data(), o.total * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemset(o.ranks[r].out, 0xFF, o.total * 4));
+    }
+  }
+  // Every site's calls go on one stream per rank (the first site's), in the same order everywhere.
+  std::string err;
+  auto enqueue = [&](int calls_per_site) {
+    for (int i = 0; i < calls_per_site && err.empty(); ++i)
+      for (One& o : all)
+        for (int r = 0; r < n && err.empty(); ++r) {
+          const bool even = i % 2 == 0;
+          err = cuda::Launch(o.sites[r], DType::kS32, 0, even ? o.ranks[r].in : o.ranks[r].out,
+                             even ? o.ranks[r].out : o.ranks[r].in, all[0].ranks[r].stream, 5000);
+        }
+  };
+  int done = 0;
+  if (!graph) {
+    enqueue(rounds);
+    done = rounds;
+  } else {
+    const int per = 10;
+    std::vector<cudaGraphExec_t> execs(n);
+    for (int r = 0; r < n && err.empty(); ++r) {
+      CK(cudaSetDevice(devices[r]));
+      CK(cudaStreamBeginCapture(all[0].ranks[r].stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < per && err.empty(); ++i)
+        for (One& o : all) {
+          const bool even = i % 2 == 0;
+          err = cuda::Launch(o.sites[r], DType::kS32, 0, even ? o.ranks[r].in : o.ranks[r].out,
+                             even ? o.ranks[r].out : o.ranks[r].in, all[0].ranks[r].stream, 5000);
+        }
+      cudaGraph_t g;
+      CK(cudaStreamEndCapture(all[0].ranks[r].stream, &g));
+      CK(cudaGraphInstantiate(&execs[r], g, 0));
+      CK(cudaGraphDestroy(g));
+    }
+    for (int k = 0; k < rounds / per; ++k)
+      for (int r = 0; r < n; ++r) { CK(cudaSetDevice(devices[r])); CK(cudaGraphLaunch(execs[r], all[0].ranks[r].stream)); }
+    done = rounds / per * per;
+    SyncAll(all[0].ranks);
+    for (auto& x : execs) CK(cudaGraphExecDestroy(x));
+  }
+  SyncAll(all[0].ranks);
+  if (err.empty()) err = AnyDeviceError();
+  int64_t wrong = 0;
+  if (err.empty())
+    for (One& o : all) {
+      std::vector<uint32_t> want = o.sum;
+      for (int j = 1; j < done; ++j)
+        for (auto& v : want) v *= static_cast<uint32_t>(n);
+      std::vector<uint32_t> got(o.total);
+      for (int r = 0; r < n; ++r) {
+        CK(cudaSetDevice(devices[r]));
+        CK(cudaMemcpy(got.data(), done % 2 ? o.ranks[r].out : o.ranks[r].in, o.total * 4, cudaMemcpyDeviceToHost));
+        for (int64_t i = 0; i < o.total; ++i) wrong += got[i] != want[i];
+      }
+    }
+  else
+    cuda::ResetAll();
+  for (One& o : all) FreeRanks(o.ranks);
+  char d[200];
+  std::snprintf(d, sizeof d, "%d ranks, %zu sites (ll/tree/oneshot) in turns, %d calls each%s", n, all.size(), done,
+                wrong ? ", WRONG ELEMENTS" : "");
+  Report(err.empty() && wrong == 0, name, err.empty() ? d : err);
+  return err.empty() && wrong == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // A rank that skips a call: its peers must time out (500 ms budget) with a record naming the
 // device, tree and chunk; the skipped rank's next call must fail fast; reset() must recover.
 
-bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip) {
+bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip, Mode mode = Mode::kTree) {
   const int n = static_cast<int>(devices.size());
   const int64_t total = 1 << 16;
   auto trees = SplitStars(n, total, 4);
@@ -476,8 +592,9 @@ bool RunSkipped(const std::string& name, const std::vector<int>& devices, int sk
   cuda::Options opt;
   opt.blocks = BlocksFor(devices, 0);
   std::vector<cuda::Site*> sites;
-  std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), 4, opt, ++g_comm_id, &sites);
+  std::string err = MakeSites(devices, prog, 4, opt, mode, &sites);
   if (!err.empty()) { Report(false, name, err); return false; }
+  const char* where_word = mode == Mode::kTree ? "chunk" : "one-shot";
   std::vector<Rank> ranks = MakeRanks(devices, total * 4);
   for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); CK(cudaMemset(r.in, 0, total * 4)); }
   bool ok = true;
@@ -495,8 +612,7 @@ bool RunSkipped(const std::string& name, const std::vector<int>& devices, int sk
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const int present = skip == 0 ? 1 : 0;
     std::string rec = cuda::DeviceError(devices[present]);
-    if (rec.empty() || rec.find("timed out") == std::string::npos || rec.find("tree") == std::string::npos ||
-        rec.find("chunk") == std::string::npos) {
+    if (rec.empty() || rec.find("timed out") == std::string::npos || rec.find(where_word) == std::string::npos) {
       ok = false;
       detail = "no time-out record on GPU " + std::to_string(devices[present]) + " (got: '" + rec + "')";
     } else if (s > 3.0) {
@@ -624,6 +740,43 @@ std::vector<Case> OneGpuCases(bool quick) {
   cs.push_back({"1gpu 2r no trees (all gap)", same(2), DType::kS32, 0, 1000, 64, {}});
   cs.push_back({"1gpu 2r one element", same(2), DType::kF32, 0, 1, 1, {{1, 3, 0, 1, StarParents(2, 1)}}});
   cs.push_back({"1gpu 1r trivial", same(1), DType::kF32, 0, 4097, 1024, {{0, 3, 0, 4097, {-1}}}});
+  // One-shot kernels (ranks as streams of one GPU).
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({"1gpu 3r ll " + dn, same(3), d, op, 4099, 1024, SplitStars(3, 4099, Esize(d))});
+      cs.back().mode = Mode::kLL;
+      cs.push_back({"1gpu 2r oneshot " + dn, same(2), d, op, 100003, 4096, SplitStars(2, 100003, Esize(d))});
+      cs.back().mode = Mode::kOneShot;
+    }
+  cs.push_back({"1gpu 8r ll f32 sum real 256 KiB", same(8), DType::kF32, 0, 1 << 16, 1 << 14, SplitStars(8, 1 << 16, 4),
+                false, true});
+  cs.back().mode = Mode::kLL;
+  cs.push_back({"1gpu 5r ll bf16 sum real, dgx-like trees", same(5), DType::kBF16, 0, 33333, 4096,
+                {{0, 3, 0, 20000, ChainParents(5, 0)}, {3, 3, 20000, 13333, StarParents(5, 3)}}, false, true});
+  cs.back().mode = Mode::kLL;
+  cs.push_back({"1gpu 2r ll one element", same(2), DType::kF16, 0, 1, 1, {{1, 3, 0, 1, StarParents(2, 1)}}});
+  cs.back().mode = Mode::kLL;
+  cs.push_back({"1gpu 4r ll in==out s64", same(4), DType::kS64, 0, 3001, 512, SplitStars(4, 3001, 8), true});
+  cs.back().mode = Mode::kLL;
+  cs.push_back({"1gpu 3r ll rank 1 in==out f32 real reversed launch", same(3), DType::kF32, 0, 12345, 512,
+                SplitStars(3, 12345, 4), false, true});
+  cs.back().mode = Mode::kLL;
+  cs.back().alias_ranks = 2;
+  cs.back().reverse_launch = true;
+  cs.push_back({"1gpu 2r oneshot f32 real 4 MiB odd, 4 KiB chunks", same(2), DType::kF32, 0, (1 << 20) + 3, 1024,
+                SplitStars(2, (1 << 20) + 3, 4), false, true});
+  cs.back().mode = Mode::kOneShot;
+  cs.push_back({"1gpu 2r oneshot bf16 real, rank 0 in==out", same(2), DType::kBF16, 0, 777777, 1 << 16,
+                SplitStars(2, 777777, 2), false, true});
+  cs.back().mode = Mode::kOneShot;
+  cs.back().alias_ranks = 1;
+  cs.push_back({"1gpu 2r oneshot s32 in==out reversed launch", same(2), DType::kS32, 0, 65536 + 7, 4096,
+                SplitStars(2, 65536 + 7, 4), true});
+  cs.back().mode = Mode::kOneShot;
+  cs.back().reverse_launch = true;
+  cs.push_back({"1gpu 2r oneshot one element", same(2), DType::kF64, 1, 1, 1, {{0, 3, 0, 1, StarParents(2, 0)}}});
+  cs.back().mode = Mode::kOneShot;
   return cs;
 }
 
@@ -633,6 +786,11 @@ std::vector<Case> TwoGpuCases(bool quick) {
   cs.push_back({"2gpu star-split f32 sum real 4 MiB", dev, DType::kF32, 0, 1 << 20, 1 << 17, SplitStars(2, 1 << 20, 4),
                 false, true});
   cs.push_back({"2gpu star-split bf16 sum 1 KiB", dev, DType::kBF16, 0, 512, 1 << 17, SplitStars(2, 512, 2)});
+  cs.push_back({"2gpu ll f32 sum real 4 KiB + 12 B", dev, DType::kF32, 0, 1027, 1 << 17, SplitStars(2, 1027, 4), false, true});
+  cs.back().mode = Mode::kLL;
+  cs.push_back({"2gpu oneshot bf16 sum 1 MiB + 2 B", dev, DType::kBF16, 0, (1 << 19) + 1, 1 << 16,
+                SplitStars(2, (1 << 19) + 1, 2)});
+  cs.back().mode = Mode::kOneShot;
   if (quick) return cs;
   const DType all[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64};
   for (DType d : all)
@@ -655,6 +813,21 @@ std::vector<Case> TwoGpuCases(bool quick) {
                 {{0, 2, 0, 1 << 18, StarParents(2, 0)}}});
   cs.push_back({"2gpu reduce-only root 1 f32", dev, DType::kF32, 0, 1 << 18, 1 << 16,
                 {{1, 1, 0, 1 << 18, StarParents(2, 1)}}});
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({"2gpu ll " + dn, dev, d, op, 10001, 1 << 15, SplitStars(2, 10001, Esize(d))});
+      cs.back().mode = Mode::kLL;
+      cs.push_back({"2gpu oneshot " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
+      cs.back().mode = Mode::kOneShot;
+    }
+  cs.push_back({"2gpu oneshot f32 real 16 MiB", dev, DType::kF32, 0, 4 << 20, 512 << 10, SplitStars(2, 4 << 20, 4),
+                false, true});
+  cs.back().mode = Mode::kOneShot;
+  cs.push_back({"2gpu ll bf16 real 256 KiB rank 1 in==out", dev, DType::kBF16, 0, 1 << 17, 1 << 15,
+                SplitStars(2, 1 << 17, 2), false, true});
+  cs.back().mode = Mode::kLL;
+  cs.back().alias_ranks = 2;
   return cs;
 }
 
@@ -663,12 +836,15 @@ std::vector<Case> TwoGpuCases(bool quick) {
 
 int Bench(int argc, char** argv, int ngpu) {
   DType dtype = DType::kF32;
-  int64_t chunk_bytes = 512 << 10, max_bytes = int64_t{1} << 30;
+  int64_t chunk_bytes = 512 << 10, max_bytes = int64_t{1} << 30, min_bytes = 1024;
+  std::string mode_arg = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--dtype" && i + 1 < argc) dtype = std::string(argv[++i]) == "bf16" ? DType::kBF16 : DType::kF32;
     else if (a == "--chunk" && i + 1 < argc) chunk_bytes = std::atoll(argv[++i]);
     else if (a == "--max" && i + 1 < argc) max_bytes = std::atoll(argv[++i]);
+    else if (a == "--min" && i + 1 < argc) min_bytes = std::atoll(argv[++i]);
+    else if (a == "--mode" && i + 1 < argc) mode_arg = argv[++i];
   }
   const std::vector<int> devices = ngpu >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
   const int n = 2, es = Esize(dtype);
@@ -677,8 +853,8 @@ int Bench(int argc, char** argv, int ngpu) {
   std::printf("# jax_blink CUDA executor bench: %s, %s, 2 ranks on %s, one-hop star trees (rank r roots half r), "
               "program chunk %lld B\n", prop.name, cuda::DTypeName(dtype),
               ngpu >= 2 ? "GPUs 0,1" : "2 streams of GPU 0", static_cast<long long>(chunk_bytes));
-  std::printf("%12s %12s %7s %8s %12s %12s %12s %12s %7s\n", "bytes", "elems", "units", "calls", "stream_us",
-              "graph_us", "algbw_GB/s", "busbw_GB/s", "#wrong");
+  std::printf("%12s %12s %8s %7s %8s %12s %12s %12s %12s %7s\n", "bytes", "elems", "mode", "units", "calls",
+              "stream_us", "graph_us", "algbw_GB/s", "busbw_GB/s", "#wrong");
   std::vector<Rank> ranks = MakeRanks(devices, max_bytes);
   // in_r[i] = (i % 7) + r: the sum 2 (i % 7) + 1 is exact in every float type.
   {
@@ -711,11 +887,14 @@ int Bench(int argc, char** argv, int ngpu) {
     return 1000.0 * worst / calls;
   };
   int rc = 0;
-  for (int64_t bytes = 1024; bytes <= max_bytes; bytes *= 2) {
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
     const int64_t elems = bytes / es;
     std::vector<int32_t> prog = MakeProgram(n, std::max<int64_t>(1, chunk_bytes / es), elems, SplitStars(n, elems, es));
     cuda::Options opt;
     opt.blocks = ngpu >= 2 ? 0 : 64;
+    if (mode_arg == "tree") ForceMode(&opt, Mode::kTree);
+    else if (mode_arg == "ll") ForceMode(&opt, Mode::kLL);
+    else if (mode_arg == "oneshot") ForceMode(&opt, Mode::kOneShot);
     std::vector<cuda::Site*> sites;
     std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), es, opt, ++g_comm_id, &sites);
     if (!err.empty()) { std::printf("set-up failed: %s\n", err.c_str()); return 1; }
@@ -761,8 +940,9 @@ int Bench(int argc, char** argv, int ngpu) {
     }
     const double best = gus > 0 ? std::min(us, gus) : us;
     const double algbw = bytes / (best * 1e3);
-    std::printf("%12lld %12lld %7lld %8d %12.2f %12s %12.2f %12.2f %7lld\n", static_cast<long long>(bytes),
-                static_cast<long long>(elems), static_cast<long long>(cuda::SiteUnits(sites[0])), calls, us,
+    std::printf("%12lld %12lld %8s %7lld %8d %12.2f %12s %12.2f %12.2f %7lld\n", static_cast<long long>(bytes),
+                static_cast<long long>(elems), cuda::ModeName(cuda::SiteMode(sites[0])),
+                static_cast<long long>(cuda::SiteUnits(sites[0])), calls, us,
                 gus > 0 ? std::to_string(gus).substr(0, std::to_string(gus).find('.') + 3).c_str() : "-", algbw,
                 algbw * 2.0 * (n - 1) / n, static_cast<long long>(wrong));
     std::fflush(stdout);
@@ -796,6 +976,15 @@ int main(int argc, char** argv) {
       RunChained("1gpu 2r 999 chained calls, rank 0 in place every 3rd", {0, 0}, 4099, 999, false, true);
       RunChained("1gpu 4r 999 chained calls, rank 0 in place every 3rd", {0, 0, 0, 0}, 1 << 14, 999, false, true);
       RunSkipped("1gpu 3r rank 1 skips a call -> time-out record", {0, 0, 0}, 1);
+      RunChained("1gpu 3r 1000 chained calls s32 ll (stream)", {0, 0, 0}, 4099, 1000, false, false, Mode::kLL);
+      RunChained("1gpu 2r 1000 chained calls s32 ll (CUDA graph)", {0, 0}, 4099, 1000, true, false, Mode::kLL);
+      RunChained("1gpu 2r 999 chained calls s32 oneshot, rank 0 in place every 3rd", {0, 0}, 1 << 18, 999, false, true,
+                 Mode::kOneShot);
+      RunChained("1gpu 2r 1000 chained calls s32 oneshot (CUDA graph)", {0, 0}, 1 << 18, 1000, true, false, Mode::kOneShot);
+      RunInterleaved("1gpu 2r ll/tree/oneshot sites in turns (stream)", {0, 0}, 300, false);
+      RunInterleaved("1gpu 3r ll/tree sites in turns (CUDA graph)", {0, 0, 0}, 300, true);
+      RunSkipped("1gpu 3r ll: rank 1 skips a call -> time-out record", {0, 0, 0}, 1, Mode::kLL);
+      RunSkipped("1gpu 2r oneshot: rank 0 skips a call -> time-out record", {0, 0}, 0, Mode::kOneShot);
     }
   }
   if (ngpu >= 2) {
@@ -807,6 +996,15 @@ int main(int argc, char** argv) {
       RunChained("2gpu 999 chained calls 4 MiB, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true);
       RunSkipped("2gpu rank 1 skips a call -> time-out record", {0, 1}, 1);
       RunSkipped("2gpu rank 0 skips a call -> time-out record", {0, 1}, 0);
+      RunChained("2gpu 1000 chained calls s32 64 KiB ll (stream)", {0, 1}, 1 << 14, 1000, false, false, Mode::kLL);
+      RunChained("2gpu 1000 chained calls s32 64 KiB ll (CUDA graph)", {0, 1}, 1 << 14, 1000, true, false, Mode::kLL);
+      RunChained("2gpu 999 chained calls 4 MiB oneshot, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true,
+                 Mode::kOneShot);
+      RunChained("2gpu 1000 chained calls 4 MiB oneshot (CUDA graph)", {0, 1}, 1 << 20, 1000, true, false, Mode::kOneShot);
+      RunInterleaved("2gpu ll/tree/oneshot sites in turns (stream)", {0, 1}, 500, false);
+      RunInterleaved("2gpu ll/tree/oneshot sites in turns (CUDA graph)", {0, 1}, 500, true);
+      RunSkipped("2gpu ll: rank 1 skips a call -> time-out record", {0, 1}, 1, Mode::kLL);
+      RunSkipped("2gpu oneshot: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kOneShot);
     }
   } else {
     std::printf("# only one GPU: the 2-GPU tests are skipped\n");

@@ -107,19 +107,46 @@ def _check(got, want, dtype, n_per):
     assert got[:n_per].tobytes() == got[n_per:].tobytes()
 
 
+# Which kernel an all-reduce site runs is decided at its set-up from these limits (read from the
+# environment then): "tree" turns both one-shot kernels off, "ll" raises the LL limit to what the
+# staging holds for 2 ranks, "oneshot" turns LL off.
+_MODE_ENV = {
+    "tree": {"JAX_BLINK_LL_BYTES": "0", "JAX_BLINK_ONESHOT_BYTES": "0"},
+    "ll": {"JAX_BLINK_LL_BYTES": str(8 << 20)},
+    "oneshot": {"JAX_BLINK_LL_BYTES": "0"},
+}
+
+
+def _sites_by_mode():
+    total = {"tree": 0, "ll": 0, "oneshot": 0}
+    for c in _blink_cuda.comms():
+        for m, k in c["sites_by_mode"].items():
+            total[m] += k
+    return total
+
+
+@pytest.mark.parametrize("mode", ["auto", "tree", "ll", "oneshot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int32", "int64"])
 @pytest.mark.parametrize("n_per", [1, 1000, 4099, 1 << 18])
-def test_allreduce_sum_matches_psum(dtype, n_per):
+def test_allreduce_sum_matches_psum(dtype, n_per, mode, monkeypatch):
     _register()
     if dtype in ("float64", "int64") and not jax.config.jax_enable_x64:
         pytest.skip("needs jax_enable_x64")
+    if mode != "auto" and dtype not in ("float32", "bfloat16", "int32"):
+        pytest.skip("every kernel on three dtypes; the rest on the default choice")
+    for k, v in _MODE_ENV.get(mode, {}).items():
+        monkeypatch.setenv(k, v)
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     program = _program(2, n_per, itemsize)
     x = _data(n_per, dtype, seed=n_per)
+    before = _sites_by_mode()
     got = _run(lambda v: _call(v, program), x)
+    after = _sites_by_mode()
     want = _run(lambda v: lax.psum(v, "x"), x)
     _check(got, want, dtype, n_per)
     _blink_cuda.check()
+    if mode != "auto":  # 2 new sites (one per GPU), both in the mode asked for
+        assert after[mode] - before[mode] == 2, (before, after)
 
 
 @pytest.mark.parametrize("op", [1, 2])
@@ -218,6 +245,10 @@ def test_skipped_rank_times_out_then_reset():
 def test_module_api():
     _register()
     assert "CUDA executor" in _blink_cuda.version()
-    assert _blink_cuda.staging_bytes() == 0
+    # The one-shot inbox of a communicator: at most min(1% of device memory, 256 MiB) per rank.
+    assert 0 <= _blink_cuda.staging_bytes() <= 256 << 20
+    for c in _blink_cuda.comms():
+        assert set(c["sites_by_mode"]) == {"tree", "ll", "oneshot"}
+        assert sum(c["sites_by_mode"].values()) == c["num_sites"]
     assert isinstance(_blink_cuda.comms(), list)
     assert set(_blink_cuda.registrations()) == {TARGET}

@@ -3,6 +3,8 @@
 # writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
+# Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
+# (the self-test's kernel bench: modes auto|tree|ll|oneshot, e.g. "--max 64M").
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
@@ -26,8 +28,10 @@ for step in $STEPS; do
       log selftest
       nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o /tmp/selftest \
         > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
-      timeout 200 /tmp/selftest 2>&1 | tee "$OUT/selftest.log" | tail -40
-      timeout 120 /tmp/selftest --bench 2>&1 | tee "$OUT/selftest_bench.log" | tail -30 ;;
+      timeout 240 /tmp/selftest 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40
+      for mode in ${ST_MODES:-auto}; do  # the kernel per size: auto, or forced tree / ll / oneshot
+        timeout 120 /tmp/selftest --bench --mode "$mode" ${ST_BENCH_ARGS:-} 2>&1 | tee "$OUT/selftest_bench-$mode.log" | tail -30
+      done ;;
     tests)
       log tests
       timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;

@@ -819,6 +819,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(const Params p) {
       }
       if (ok) store_line(out, i, bytes, out8, acc.get());
     }
+    // A peer that gave up (on this call or before) may have written its lines first: this call
+    // fails too, as the tree kernel's waits do, so that the ranks never disagree silently.
+    __syncthreads();
+    if (threadIdx.x == 0 && !sh.fail)
+      for (int src = 0; src < n; ++src) {
+        if (src == me) continue;
+        if (const uint32_t a = sync::ld_relaxed_sys(reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src)) {
+          fail_call(p, sh, kErrAborted, src, -1, 0, kAtOneShot, a);
+          break;
+        }
+      }
   }
   oneshot_end(p, sh);
 }
@@ -832,6 +843,10 @@ __device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint
     const uint32_t seen = static_cast<uint32_t>(v);
     if (sync::seq_reached(seen, k)) {
       if (v == tag) {
+        if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {  // it gave up after publishing
+          fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+          return false;
+        }
         sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
         return true;
       }

@@ -7,6 +7,7 @@
 //   (none)     every test: N ranks as N streams of GPU 0 (small grids, all blocks resident), then,
 //              with 2+ GPUs, 2 ranks on GPUs 0 and 1. Prints one PASS/FAIL line per test and a
 //              summary; exits 1 on any failure.
+//   --filter S only the tests whose names contain S.
 //   --quick    a few small cases only (for compute-sanitizer: memcheck needs no concurrency, but
 //              tools that serialise kernels make cross-rank waits time out on one GPU, so --quick
 //              uses 2 GPUs when there are 2).
@@ -54,8 +55,25 @@ namespace {
 int g_failures = 0, g_passes = 0;
 int64_t g_comm_id = 1000;
 
+std::string g_filter;  // --filter: run only the tests whose names contain it
+bool Wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
+
+// Sizes on the command line: 65536, 64K, 64M, 1G.
+int64_t ParseBytes(const char* text) {
+  char* end = nullptr;
+  int64_t v = std::strtoll(text, &end, 10);
+  if (end && (*end == 'K' || *end == 'k')) v <<= 10;
+  else if (end && (*end == 'M' || *end == 'm')) v <<= 20;
+  else if (end && (*end == 'G' || *end == 'g')) v <<= 30;
+  return v;
+}
+
 void Report(bool ok, const std::string& name, const std::string& detail) {
-  std::printf("%s  %-58s %s\n", ok ? "PASS" : "FAIL", name.c_str(), detail.c_str());
+  static auto last = std::chrono::steady_clock::now();
+  const auto now = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(now - last).count();
+  last = now;
+  std::printf("%s  %-58s [%5.1f s] %s\n", ok ? "PASS" : "FAIL", name.c_str(), s, detail.c_str());
   std::fflush(stdout);
   (ok ? g_passes : g_failures)++;
 }
@@ -289,6 +307,7 @@ int BlocksFor(const std::vector<int>& devices, int want) {
 }
 
 bool RunCase(const Case& c) {
+  if (!Wanted(c.name)) return true;
   const int n = static_cast<int>(c.devices.size());
   const int es = Esize(c.dtype);
   std::vector<int32_t> prog = MakeProgram(n, c.chunk, c.total, c.trees);
@@ -387,6 +406,7 @@ bool RunCase(const Case& c) {
 // parent-side pull/push choice changes from call to call while its peers stay out of place.
 bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph,
                 bool switch_alias = false, Mode mode = Mode::kTree) {
+  if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   auto trees = SplitStars(n, total, 4);
   if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
@@ -490,6 +510,7 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
 // inbox and call counter; tree sites have their own): int32 sums, exact, as RunChained.
 
 bool RunInterleaved(const std::string& name, const std::vector<int>& devices, int rounds, bool graph) {
+  if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   struct One { int64_t total; Mode mode; std::vector<cuda::Site*> sites; std::vector<Rank> ranks;
                std::vector<uint32_t> sum; };
@@ -585,6 +606,7 @@ bool RunInterleaved(const std::string& name, const std::vector<int>& devices, in
 // device, tree and chunk; the skipped rank's next call must fail fast; reset() must recover.
 
 bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip, Mode mode = Mode::kTree) {
+  if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   const int64_t total = 1 << 16;
   auto trees = SplitStars(n, total, 4);
@@ -841,9 +863,9 @@ int Bench(int argc, char** argv, int ngpu) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--dtype" && i + 1 < argc) dtype = std::string(argv[++i]) == "bf16" ? DType::kBF16 : DType::kF32;
-    else if (a == "--chunk" && i + 1 < argc) chunk_bytes = std::atoll(argv[++i]);
-    else if (a == "--max" && i + 1 < argc) max_bytes = std::atoll(argv[++i]);
-    else if (a == "--min" && i + 1 < argc) min_bytes = std::atoll(argv[++i]);
+    else if (a == "--chunk" && i + 1 < argc) chunk_bytes = ParseBytes(argv[++i]);
+    else if (a == "--max" && i + 1 < argc) max_bytes = ParseBytes(argv[++i]);
+    else if (a == "--min" && i + 1 < argc) min_bytes = ParseBytes(argv[++i]);
     else if (a == "--mode" && i + 1 < argc) mode_arg = argv[++i];
   }
   const std::vector<int> devices = ngpu >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
@@ -962,6 +984,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") bench = true;
     if (std::string(argv[i]) == "--quick") quick = true;
+    if (std::string(argv[i]) == "--filter" && i + 1 < argc) g_filter = argv[++i];
   }
   if (bench) return Bench(argc, argv, ngpu);
   cudaDeviceProp prop;

@@ -25,15 +25,15 @@ import jax_blink
 from jax_blink.bench import _chained, parse_size
 
 
-def _kernels(path: str, pattern: str) -> dict[str, list[tuple[float, float]]]:
-    """(start_ns, duration_ns) of device events whose name contains ``pattern``, per device plane."""
+def _kernels(path: str, patterns: tuple[str, ...]) -> dict[str, list[tuple[float, float]]]:
+    """(start_ns, duration_ns) of device events whose name contains one of ``patterns``, per device plane."""
     out: dict[str, list[tuple[float, float]]] = {}
     for plane in ProfileData.from_file(path).planes:
         if "/device:GPU" not in plane.name:
             continue
         for line in plane.lines:
             for e in line.events:
-                if pattern in e.name:
+                if any(p in e.name for p in patterns):
                     out.setdefault(plane.name, []).append((e.start_ns, e.duration_ns))
     return {k: sorted(v) for k, v in out.items()}
 
@@ -48,7 +48,7 @@ def _names(path: str) -> list[str]:
     return sorted(names)
 
 
-def report(label: str, fn, x, pattern: str, k: int) -> None:
+def report(label: str, fn, x, pattern: tuple[str, ...], k: int) -> None:
     fn(x).block_until_ready()
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
@@ -82,8 +82,9 @@ def main() -> None:
                        NamedSharding(mesh, P("x")))
     ours = _chained(lambda v, ax: jax_blink.all_reduce(v, ax), mesh, "x", a.k, dispatch="blink")
     psum = _chained(lambda v, ax: lax.psum(v, ax), mesh, "x", a.k)
-    report("jax_blink.all_reduce", ours, x, "collective_kernel", a.k)
-    report("lax.psum", psum, x, "nccl", a.k)
+    # Our kernels: the tree kernel and the one-shot ones (executor 0.3.0).
+    report("jax_blink.all_reduce", ours, x, ("collective_kernel", "ll_kernel", "oneshot_kernel"), a.k)
+    report("lax.psum", psum, x, ("nccl",), a.k)
 
 
 if __name__ == "__main__":

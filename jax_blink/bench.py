@@ -166,7 +166,7 @@ def _time_or_error(fn, x, runs: int) -> float:
 
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
-        ceiling: float | None = None, collective: str = "allreduce") -> list[dict]:
+        ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -180,13 +180,20 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     psum_fn = _chained(coll.chain(coll.ref), mesh, "x", k)
     cb_fn = (_chained(coll.chain(coll.ours), mesh, "x", k, command_buffers=True, dispatch="blink")
              if command_buffers else None)
+    # The marginal cost of one more chained call, (t(K2) - t(K)) / (K2 - K): what a call costs once
+    # the program's fixed cost (dispatch, the GPUs' launch skew, the final sync) is set apart.
+    if slope_k is not None and slope_k <= k:
+        raise SystemExit(f"--slope K2 must be larger than -k ({k}), got {slope_k}")
+    ours2_fn = _chained(coll.chain(coll.ours), mesh, "x", slope_k, dispatch="blink") if slope_k else None
+    psum2_fn = _chained(coll.chain(coll.ref), mesh, "x", slope_k) if slope_k else None
     rng = np.random.default_rng(0)
     rows = []
     print(f"# jax_blink.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}")
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
           f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7}"
-          + (f" {'cb(us)':>9}" if command_buffers else ""))
+          + (f" {'cb(us)':>9}" if command_buffers else "")
+          + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else ""))
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
@@ -198,19 +205,27 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             t_ours = median_time(ours_fn, x, runs) / k
             t_psum = median_time(psum_fn, x, runs) / k
             t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
+            s_ours = s_psum = float("nan")
+            if slope_k:
+                d = slope_k - k
+                s_ours = (median_time(ours2_fn, x, runs) - t_ours * k) / d
+                s_psum = (median_time(psum2_fn, x, runs) - t_psum * k) / d
             size = count * jnp.dtype(dtype).itemsize * coll.size_factor(n)
             bus = coll.bus_factor(n)
             row = dict(size=size, count=count, dtype=dtype, n=n,
                        time_us=t_ours * 1e6, algbw=size / t_ours / 1e9, busbw=size / t_ours / 1e9 * bus,
                        lax_time_us=t_psum * 1e6, lax_algbw=size / t_psum / 1e9,
                        lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
-                       cb_time_us=t_cb * 1e6)
+                       cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
+                       slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"))
             rows.append(row)
             print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7}"
-                  + (f" {row['cb_time_us']:>9.1f}" if cb_fn else ""), flush=True)
-    staging = _staging_bytes()
+                  + (f" {row['cb_time_us']:>9.1f}" if cb_fn else "")
+                  + (f" {row['slope_us']:>7.1f} {row['lax_slope_us']:>7.1f} {row['slope_speedup']:>7.2f}"
+                     if slope_k else ""), flush=True)
+    staging = _staging_bytes() if devices[0].platform == "gpu" else None
     if staging is not None:
         print(f"# staging memory of the executor: {staging / 2**20:.1f} MiB per rank "
               f"(limit: min(1% of device memory, 256 MiB))")
@@ -222,7 +237,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, runs=runs,
+        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
                     date=_dt.date.today().isoformat(), staging_bytes=staging)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
@@ -285,12 +300,15 @@ def main(argv=None) -> int:
                     help="which collective (default allreduce)")
     ap.add_argument("--command-buffers", action="store_true",
                     help="also time the handler that XLA may capture in CUDA graphs (column cb)")
+    ap.add_argument("--slope", type=int, default=None, metavar="K2",
+                    help="also time K2 chained calls and report the marginal time per call, "
+                         "(t(K2) - t(K)) / (K2 - K), for ours and lax (columns slope, l.slope)")
     a = ap.parse_args(argv)
     if a.plot_only:
         plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
         return 0
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective)
+               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective, a.slope)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

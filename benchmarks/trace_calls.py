@@ -84,7 +84,8 @@ def main() -> None:
     psum = _chained(lambda v, ax: lax.psum(v, ax), mesh, "x", a.k)
     # Our kernels: the tree kernel and the one-shot ones (executor 0.3.0).
     report("jax_blink.all_reduce", ours, x, ("collective_kernel", "ll_kernel", "oneshot_kernel"), a.k)
-    report("lax.psum", psum, x, ("nccl",), a.k)
+    # psum: NCCL's kernels, or XLA's own all-reduce kernels (named after the HLO op, "psum...").
+    report("lax.psum", psum, x, ("nccl", "psum", "all-reduce", "all_reduce"), a.k)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ timed over several runs after a warm-up; the median divided by K is the time per
 bytes / time and ``busbw`` is algbw * 2(n-1)/n for all-reduce (nccl-tests' definitions). Every size
 is also checked: one call of ours against one of ``lax.psum`` on fresh random data, and ``#wrong``
 counts the elements that differ by more than rounding (or that differ between ranks).
+
+``--tune-chunks`` also tunes the pipelining chunk per size (:func:`jax_blink.autotune.tune_chunk`,
+which stores it for ``JAX_BLINK_CHUNK_BYTES=auto``) and reports the time at the tuned chunk beside
+the time at the fixed one.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import collectives
+from . import autotune, collectives
 from .options import config
+from .schedule import DEFAULT_CHUNK_BYTES
 
 _TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3, "float64": 1e-12}
 
@@ -164,9 +169,23 @@ def _time_or_error(fn, x, runs: int) -> float:
         return float("nan")
 
 
+def _fmt_bytes(b: int) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if b >= scale and b % scale == 0:
+            return f"{b // scale}{unit}"
+    return str(b)
+
+
+def _trial_log(res: autotune.MiadResult) -> str:
+    """One comment line: each chunk tried with its algbw (GB/s), in order, and the one kept."""
+    trials = " ".join(f"{_fmt_bytes(c)}:{t / 1e9:.3g}" for c, t in res.log)
+    return f"#   miad chunk:GB/s {trials} -> {_fmt_bytes(res.chunk_bytes)}"
+
+
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
-        ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None) -> list[dict]:
+        ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None,
+        tune_chunks: bool = False) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -193,7 +212,12 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
           f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7}"
           + (f" {'cb(us)':>9}" if command_buffers else "")
-          + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else ""))
+          + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else "")
+          + (f" {'tuned(B)':>9} {'t.us':>10} {'t.spdup':>7}" if tune_chunks else ""))
+    if tune_chunks:
+        fixed = config.chunk_bytes or f"{_fmt_bytes(DEFAULT_CHUNK_BYTES)} (default)"
+        print(f"# tuned(B): the chunk MIAD found best, t.us: time per call at it, t.spdup: lax / t.us "
+              f"(time(us) is at chunk_bytes={fixed}); stored in {autotune.cache_path()}")
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
@@ -210,6 +234,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                 d = slope_k - k
                 s_ours = (median_time(ours2_fn, x, runs) - t_ours * k) / d
                 s_psum = (median_time(psum2_fn, x, runs) - t_psum * k) / d
+            tuned = autotune.tune_chunk(collective, x, mesh, "x", k=k, runs=runs) if tune_chunks else None
             size = count * jnp.dtype(dtype).itemsize * coll.size_factor(n)
             bus = coll.bus_factor(n)
             row = dict(size=size, count=count, dtype=dtype, n=n,
@@ -218,13 +243,22 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
                        cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
                        slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"))
+            # Tuned: throughput is this row's size per second (autotune.tune_chunk), so size / it is
+            # the time per call at the tuned chunk.
+            t_tuned = size / tuned.throughput if tuned and tuned.throughput > 0 else float("nan")
+            row.update(tuned_chunk=tuned.chunk_bytes if tuned else float("nan"),
+                       tuned_time_us=t_tuned * 1e6, tuned_speedup=t_psum / t_tuned)
             rows.append(row)
             print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7}"
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else "")
                   + (f" {row['slope_us']:>7.1f} {row['lax_slope_us']:>7.1f} {row['slope_speedup']:>7.2f}"
-                     if slope_k else ""), flush=True)
+                     if slope_k else "")
+                  + (f" {row['tuned_chunk']:>9} {row['tuned_time_us']:>10.1f} {row['tuned_speedup']:>7.2f}"
+                     if tuned else ""), flush=True)
+            if tuned:
+                print(_trial_log(tuned), flush=True)
     staging = _staging_bytes() if devices[0].platform == "gpu" else None
     if staging is not None:
         print(f"# staging memory of the executor: {staging / 2**20:.1f} MiB per rank "
@@ -238,7 +272,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             w.writeheader()
             w.writerows(rows)
         meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
-                    date=_dt.date.today().isoformat(), staging_bytes=staging)
+                    date=_dt.date.today().isoformat(), staging_bytes=staging, chunk_bytes=config.chunk_bytes,
+                    tune_chunks=tune_chunks)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         plot(stem + ".csv", stem + ".png", ceiling)
@@ -303,12 +338,17 @@ def main(argv=None) -> int:
     ap.add_argument("--slope", type=int, default=None, metavar="K2",
                     help="also time K2 chained calls and report the marginal time per call, "
                          "(t(K2) - t(K)) / (K2 - K), for ours and lax (columns slope, l.slope)")
+    ap.add_argument("--tune-chunks", action="store_true",
+                    help="also tune the chunk per size (MIAD, jax_blink.autotune; stored for "
+                         "JAX_BLINK_CHUNK_BYTES=auto) and time ours at it (columns tuned_chunk, "
+                         "tuned_time_us, tuned_speedup)")
     a = ap.parse_args(argv)
     if a.plot_only:
         plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
         return 0
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective, a.slope)
+               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective, a.slope,
+               a.tune_chunks)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

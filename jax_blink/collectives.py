@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, schedule as _schedule, tuning
-from .options import config
+from . import _backends, autotune, schedule as _schedule, tuning
+from .options import AUTO, check_chunk_bytes, config
 from .topology import Topology
 from .treegen import plan as _plan
 
@@ -108,6 +108,17 @@ def _use_lax(n: int, nbytes: int) -> bool:
     if config.dispatch == "blink":
         return False
     return tuning.prefer_lax(_device_kind(), n, nbytes)
+
+
+def _chunk_bytes(collective: str, n: int, nbytes: int, dtype, device_kind: str | None = None):
+    """The chunk of this call: ``config.chunk_bytes``, where that is ``"auto"`` the chunk tuned for
+    its class (:mod:`jax_blink.autotune`), else None (the schedule's default). Only reads the
+    cache: a trace never times anything."""
+    cb = config.chunk_bytes
+    check_chunk_bytes(cb)
+    if cb != AUTO:
+        return cb
+    return autotune.lookup(device_kind or _device_kind(), n, collective, dtype, nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,8 +229,9 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     n = _axis_size(axes)
     platform = _platform()
     topo = _topology_for(n, platform, topology)
-    program = _program(topo, collective, root, int(flat.size),
-                       np.dtype(flat.dtype).itemsize, config.chunk_bytes, method)
+    itemsize = np.dtype(flat.dtype).itemsize
+    chunk = _chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype)
+    program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
     rank = _axis_index(axes).astype(jnp.int32)
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
@@ -408,9 +420,12 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 # Looking inside.
 
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
-            dtype="float32", method: str = "exact") -> str:
+            dtype="float32", method: str = "exact", device_kind: str | None = None) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
-    data is split between them, in which chunks, and why (the plan's own explanation)."""
+    data is split between them, in which chunks, and why (the plan's own explanation).
+
+    ``device_kind`` picks the tuned chunk that ``config.chunk_bytes = "auto"`` reads (default: the
+    kind of this process's default devices)."""
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {np.dtype(jnp.dtype(dtype)).name}")
@@ -424,10 +439,17 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                   if collective != "allreduce" else None, method=method)
         lines = [p.explain()]
         total = nbytes // itemsize
+    kind = device_kind or _device_kind()
+    chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
     prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,
-                    config.chunk_bytes, method)
+                    chunk, method)
     sched = _schedule.decode(prog)
+    if config.chunk_bytes == AUTO:
+        lines.append(f"chunk_bytes=auto: {f'tuned chunk of {chunk} bytes' if chunk else 'nothing tuned'} "
+                     f"for {kind}, {n} ranks, {collective}, {jnp.dtype(dtype).name}, "
+                     f"size class {autotune.size_class(total * itemsize)}"
+                     + ("" if chunk else " (the schedule's default)"))
     lines.append(f"schedule: {len(sched.trees)} tree segments, chunks of {sched.chunk_elems} "
                  f"elements ({sched.chunk_elems * itemsize} bytes)")
     for i, t in enumerate(sched.trees):

@@ -1,5 +1,6 @@
 """The benchmark tool runs every collective, checks it against lax and writes its table."""
 import csv
+import json
 
 import jax
 import pytest
@@ -25,3 +26,37 @@ def test_parse_size():
     assert bench.parse_size("64M") == 64 << 20
     assert bench.parse_size("1G") == 1 << 30
     assert bench.parse_size("4096") == 4096
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
+def test_bench_tune_chunks_adds_tuned_columns(tmp_path, monkeypatch, capsys):
+    from jax_blink import autotune
+
+    cache = tmp_path / "chunks.json"
+    monkeypatch.setenv(autotune.CACHE_ENV, str(cache))
+    autotune.reload()
+    try:
+        rc = bench.main(["-b", "4K", "-e", "16K", "-f", "4", "-d", "float32", "-k", "2", "-r", "1",
+                         "-o", str(tmp_path), "--kind", "test", "--tune-chunks"])
+    finally:
+        autotune.reload()
+    assert rc == 0
+    (path,) = tmp_path.glob("allreduce-test-*.csv")
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) == 2
+    for r in rows:
+        assert float(r["time_us"]) > 0 and float(r["tuned_time_us"]) > 0
+        assert int(r["tuned_chunk"]) >= 4096 and int(r["tuned_chunk"]) % 16 == 0
+        assert float(r["tuned_speedup"]) == pytest.approx(float(r["lax_time_us"]) / float(r["tuned_time_us"]))
+        assert r["cb_time_us"] == "nan"  # the other optional columns keep their meaning
+    out = capsys.readouterr().out
+    assert out.count("#   miad chunk:GB/s") == 2 and "tuned(B)" in out
+    assert len(json.loads(cache.read_text())["entries"]) == 2
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
+def test_bench_without_tune_chunks_has_nan_tuned_columns(capsys):
+    rows = bench.run(4096, 4096, 4, ["float32"], 2, 1, None, None)
+    assert all(r["tuned_chunk"] != r["tuned_chunk"] and r["tuned_time_us"] != r["tuned_time_us"]
+               for r in rows)  # NaN, as cb_time_us without --command-buffers
+    assert "miad" not in capsys.readouterr().out

@@ -21,13 +21,17 @@ class Crossover:
     source: str
 
 
-# benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22.csv (executor 0.2.0): float32 and bfloat16,
-# 20 chained calls, median of 5. Below 16 MiB XLA's psum was faster (the executor pays ~30 us per
-# call through XLA's custom-call path); at 16 MiB they tie (1.01x f32, 1.16x bf16); from 64 MiB to
-# 1 GiB the executor was faster (1.05x-1.16x).
+# benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.csv (executor 0.3.0, one-shot kernels
+# up to 8 MiB): float32 and bfloat16, 1 KiB-1 GiB, 20 chained calls, median of 7, and the marginal
+# cost of a call between 20 and 100 chained calls (--slope 100). By the marginal cost the executor
+# was faster at 21 of 22 points (1.03x-3.0x; f32 1 KiB 0.85x); by the 20-call totals it was faster
+# at 17 of 22, and the 5 others (0.69x-0.95x, all <= 1 MiB) are points that flip between runs
+# (results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.csv had other ones below 1). So no
+# size goes to psum on this machine any more. (Executor 0.2.0 lost below 16 MiB: the entry then
+# said min_bytes=16 MiB.)
 CROSSOVERS: tuple[Crossover, ...] = (
-    Crossover("NVIDIA H200", 2, 16 << 20, None,
-              "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22.csv"),
+    Crossover("NVIDIA H200", 2, 0, None,
+              "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.csv"),
 )
 
 

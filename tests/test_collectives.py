@@ -327,10 +327,21 @@ def test_dispatch_picks_lax_or_the_executor():
         assert "jax_blink_collective" in lowered()
     finally:
         jax_blink.config.dispatch = old
-    # The measured table: on 2 H200s small calls go to psum, 64 MiB to the executor.
-    assert tuning.prefer_lax("NVIDIA H200", 2, 4096)
+    # The measured table: on 2 H200s (executor 0.3.0) every size goes to the executor.
+    assert not tuning.prefer_lax("NVIDIA H200", 2, 1024)
     assert not tuning.prefer_lax("NVIDIA H200", 2, 64 << 20)
     assert not tuning.prefer_lax("some other GPU", 2, 4096)
+    # The rule itself, on an entry with a window.
+    entry = tuning.Crossover("Some GPU", 4, 1 << 20, 1 << 30, "test")
+    monkey = (entry,) + tuning.CROSSOVERS
+    old_table, tuning.CROSSOVERS = tuning.CROSSOVERS, monkey
+    try:
+        assert tuning.prefer_lax("Some GPU", 4, 4096)
+        assert not tuning.prefer_lax("Some GPU", 4, 1 << 20)
+        assert tuning.prefer_lax("Some GPU", 4, 2 << 30)
+        assert not tuning.prefer_lax("Some GPU", 2, 4096)  # another rank count: not listed
+    finally:
+        tuning.CROSSOVERS = old_table
 
 
 def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):

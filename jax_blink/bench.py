@@ -6,6 +6,10 @@ bytes / time and ``busbw`` is algbw * 2(n-1)/n for all-reduce (nccl-tests' defin
 is also checked: one call of ours against one of ``lax.psum`` on fresh random data, and ``#wrong``
 counts the elements that differ by more than rounding (or that differ between ranks).
 
+``--slope K2`` also times K2 chained calls and reports the marginal cost of a call,
+(t(K2) - t(K)) / (K2 - K), for ours and lax: the program's fixed cost (dispatch, the devices'
+launch skew, the final sync) is set apart, which matters when a call takes microseconds.
+
 ``--tune-chunks`` also tunes the pipelining chunk per size (:func:`jax_blink.autotune.tune_chunk`,
 which stores it for ``JAX_BLINK_CHUNK_BYTES=auto``) and reports the time at the tuned chunk beside
 the time at the fixed one.

@@ -20,7 +20,7 @@ from jax import lax
 from . import _backends, autotune, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config
 from .topology import Topology
-from .treegen import plan as _plan
+from .treegen import hybrid_share, plan as _plan
 
 AxisName = str | tuple[str, ...]
 
@@ -439,6 +439,11 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                   if collective != "allreduce" else None, method=method)
         lines = [p.explain()]
         total = nbytes // itemsize
+        host, share = hybrid_share(p)
+        if host > 0:
+            lines.append(f"host channel (pinned memory over PCIe): {host:.1f} GB/s beside the trees' "
+                         f"{p.rate:.1f}; Blink's hybrid transfer would send {share:.1%} of the data "
+                         f"through it. Not done by this version's executors: all of it takes the trees.")
     kind = device_kind or _device_kind()
     chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
     prog = _program(topology, collective,

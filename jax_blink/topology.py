@@ -58,6 +58,11 @@ DGX1_PCIE_GBPS = 10.0
 #: PCIe GB/s per lane per direction by PCIe generation (after 8b/10b or 128b/130b encoding).
 PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
+#: Of a GPU's PCIe link rate, what one GPU moves to another through pinned host memory per
+#: direction when the copies are pipelined: 40 GB/s measured on the 2 x H200 machine (DESIGN.md,
+#: "the second channel") against gen5 x16's 63 nominal. Used by :func:`host_path_gbps`.
+HOST_PATH_EFFICIENCY = 40.0 / (16 * 3.938)
+
 #: Nominal GB/s per direction between two CPU host devices of one process (memcpy through
 #: shared memory). The planners only need the ratio between links, and a host mesh is uniform.
 HOST_GBPS = 10.0
@@ -119,24 +124,31 @@ class Topology:
         name: a readable name (``"dgx1v"``, ``"dgx1v[0,1,4]"``, ``"custom"``...).
         graph: ``networkx.MultiDiGraph``: nodes are device ids, one edge per physical link and
             direction with attributes ``capacity`` (GB/s), ``kind`` and ``latency_us``.
+        host_links: device id -> GB/s per direction between that GPU and pinned host memory (its
+            PCIe link), for the devices where it is known (:meth:`discover` fills it). Not a
+            link of the graph: trees never route through the host; it is the second channel of
+            Blink's hybrid transfer (:func:`host_path_gbps`).
     """
 
-    __slots__ = ("_devices", "_name", "_graph", "_key", "_simple", "_rank")
+    __slots__ = ("_devices", "_name", "_graph", "_key", "_simple", "_rank", "_host")
 
     def __init__(
         self,
         devices: Iterable[int],
         links: Iterable[tuple[int, int, float, str]],
         name: str = "custom",
+        host_links: Mapping[int, float] | None = None,
     ) -> None:
         """Build a topology from device ids and directed links ``(u, v, gbps, kind)``.
 
         Each tuple is one physical link in one direction; repeat a tuple for parallel links.
+        ``host_links`` maps device ids to their GB/s per direction to pinned host memory.
         Prefer the constructors :meth:`from_links`, :meth:`preset`, :meth:`host`, :meth:`discover`.
 
         Raises:
             ValueError: duplicate or negative device ids, a link to an unknown device, a self
-                loop, a capacity that is not a finite number > 0, an unknown link kind.
+                loop, a capacity that is not a finite number > 0, an unknown link kind, a host
+                link of an unknown device or with such a capacity.
         """
         devs = tuple(_check_id(d) for d in devices)
         if len(set(devs)) != len(devs):
@@ -158,14 +170,21 @@ class Topology:
                 raise ValueError(f"unknown link kind {kind!r}; allowed: {', '.join(LINK_KINDS)}")
             g.add_edge(u, v, capacity=_check_capacity(u, v, gbps), kind=kind,
                        latency_us=LINK_LATENCY_US[kind])
+        host: dict[int, float] = {}
+        for d, gbps in (host_links or {}).items():
+            d = _check_id(d)
+            if d not in known:
+                raise ValueError(f"host link of device {d}, which is not one of the devices {list(devs)}")
+            host[d] = _check_capacity(d, "host", gbps)
         self._devices = devs
         self._name = str(name)
         self._graph = nx.freeze(g)
         self._rank = {d: i for i, d in enumerate(devs)}
+        self._host = host
         edges = sorted(
             (u, v, d["kind"], d["capacity"]) for u, v, d in g.edges(data=True)
         )
-        self._key = (devs, tuple(edges))
+        self._key = (devs, tuple(edges), tuple(sorted(host.items())))
         self._simple: nx.DiGraph | None = None
 
     # ------------------------------------------------------------------ basic accessors
@@ -188,6 +207,11 @@ class Topology:
     def graph(self) -> nx.MultiDiGraph:
         """The frozen link multigraph (one edge per physical link and direction)."""
         return self._graph
+
+    @property
+    def host_links(self) -> dict[int, float]:
+        """Device id -> GB/s per direction to pinned host memory, where known (a copy)."""
+        return dict(self._host)
 
     def rank_of(self, device_id: int) -> int:
         """Return the mesh-axis rank of ``device_id``; ValueError if it is not a device here."""
@@ -266,6 +290,9 @@ class Topology:
                 caps = f"{cuv:g} GB/s" if cuv == cvu else f"{cuv:g} GB/s ->, {cvu:g} GB/s <-"
                 links = f" x{nuv}" if nuv > 1 else ""
                 lines.append(f"  {u:>3} <-> {v:<3} {'/'.join(kinds)}{links}: {caps}")
+        if self._host:
+            lines.append("  host (pinned memory, PCIe): "
+                         + ", ".join(f"{d}: {g:g} GB/s" for d, g in sorted(self._host.items())))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -296,7 +323,8 @@ class Topology:
         links = [(u, v, d["capacity"], d["kind"]) for u, v, d in self._graph.edges(data=True)
                  if u in chosen and v in chosen]
         base = self._name.split("[")[0]
-        return Topology(ids, links, name=f"{base}[{','.join(map(str, ids))}]")
+        return Topology(ids, links, name=f"{base}[{','.join(map(str, ids))}]",
+                        host_links={d: g for d, g in self._host.items() if d in chosen})
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -416,12 +444,13 @@ class Topology:
         raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(_PRESETS)}")
 
     @classmethod
-    def _switch_mesh(cls, devices: Iterable[int], per_gpu: float, name: str) -> Topology:
+    def _switch_mesh(cls, devices: Iterable[int], per_gpu: float, name: str,
+                     host_links: Mapping[int, float] | None = None) -> Topology:
         """Full mesh of kind "switch": each ordered pair gets ``per_gpu / (n - 1)`` GB/s."""
         devs = list(devices)
         n = len(devs)
         pair = per_gpu / max(n - 1, 1)
-        return cls(devs, [(u, v, pair, "switch") for u in devs for v in devs if u != v], name)
+        return cls(devs, [(u, v, pair, "switch") for u in devs for v in devs if u != v], name, host_links)
 
     @classmethod
     def host(cls, n: int, devices: Iterable[int] | None = None) -> Topology:
@@ -446,7 +475,8 @@ class Topology:
         * GPUs: NVML (package ``nvidia-ml-py``) counts the active NVLinks of each GPU pair and
           multiplies by the per-link speed of the NVLink version (:data:`NVLINK_GBPS`); links
           into an NVSwitch make a ``"switch"`` full mesh (per-GPU bandwidth / (n - 1)); pairs
-          without NVLink get a ``"pcie"`` link at the slower GPU's PCIe gen x width.
+          without NVLink get a ``"pcie"`` link at the slower GPU's PCIe gen x width; every GPU's
+          own PCIe gen x width becomes its :attr:`host_links` entry (the host channel).
           jax devices are matched to NVML handles by PCI bus id when the device has one
           (``device.pci_bus_id``), else by the CUDA ordinal ``device.local_hardware_id``
           mapped through ``CUDA_VISIBLE_DEVICES`` (integers or UUIDs; CUDA is assumed to number
@@ -581,9 +611,10 @@ def _topology_from_nvml(
                     switch_gbps[a] += gbps  # remote is an NVSwitch
                 # else: a GPU outside this device set; not ours to plan over
         name = _nvml_name(nvml, handles[0])
+        host = {ids[a]: _pcie_gbps(nvml, handles[a]) for a in range(n)}
         if any(switch_gbps):
             per_gpu = min(g for g in switch_gbps if g > 0)
-            return Topology._switch_mesh(ids, per_gpu, f"nvswitch:{n}({name})")
+            return Topology._switch_mesh(ids, per_gpu, f"nvswitch:{n}({name})", host)
         links = []
         for a in range(n):
             for b in range(n):
@@ -593,9 +624,8 @@ def _topology_from_nvml(
                 if k:
                     links += [(ids[a], ids[b], link_gbps[a], "nvlink")] * k
                 else:
-                    gbps = min(_pcie_gbps(nvml, handles[a]), _pcie_gbps(nvml, handles[b]))
-                    links.append((ids[a], ids[b], gbps, "pcie"))
-        return Topology(ids, links, name=f"nvml:{n}({name})")
+                    links.append((ids[a], ids[b], min(host[ids[a]], host[ids[b]]), "pcie"))
+        return Topology(ids, links, name=f"nvml:{n}({name})", host_links=host)
     finally:
         try:
             nvml.nvmlShutdown()
@@ -629,3 +659,15 @@ def _nvml_name(nvml: Any, handle: Any) -> str:
         return s.decode() if isinstance(s, bytes) else str(s)
     except Exception:
         return "gpu"
+
+
+def host_path_gbps(topology: Topology, a: int, b: int) -> float:
+    """GB/s per direction that device ``a`` can move to device ``b`` through pinned host memory
+    (Blink's second channel): the slower of the two PCIe links times
+    :data:`HOST_PATH_EFFICIENCY`; 0.0 when either host link is unknown."""
+    for d in (a, b):
+        topology.rank_of(d)  # ValueError for a device that is not here
+    host = topology.host_links
+    if a == b or a not in host or b not in host:
+        return 0.0
+    return min(host[a], host[b]) * HOST_PATH_EFFICIENCY

@@ -39,7 +39,7 @@ from typing import Any
 
 import networkx as nx
 
-from .topology import Topology
+from .topology import Topology, host_path_gbps
 
 __all__ = ["Plan", "plan", "COLLECTIVES", "METHODS", "broadcast_bound", "partition_bound",
            "clear_plan_cache"]
@@ -961,3 +961,18 @@ def _plan_allreduce(topology: Topology, g: nx.DiGraph, root: int | None, method:
     trees = tuple((_orient(devs, [pairs[e] for e in c], r), w) for c, r, w in pieces)
     return Plan("allreduce", root, trees, sum(w for *_, w in pieces), bound, topology, method,
                 tuple(r for _, r, _ in pieces), info)
+
+
+def hybrid_share(plan: Plan) -> tuple[float, float]:
+    """Blink's hybrid transfer for a 2-device all-reduce: ``(host_gbps, fraction)``, where
+    ``host_gbps`` is what the host channel (:func:`jax_blink.topology.host_path_gbps`, the slower
+    direction) adds beside the trees' ``plan.rate``, and ``fraction = host / (rate + host)`` is the
+    share of the data to send through it so that both channels finish together. ``(0.0, 0.0)``
+    for other collectives, other device counts, or unknown host links."""
+    devs = plan.topology.devices
+    if plan.collective != "allreduce" or len(devs) != 2:
+        return 0.0, 0.0
+    host = min(host_path_gbps(plan.topology, devs[0], devs[1]), host_path_gbps(plan.topology, devs[1], devs[0]))
+    if host <= 0 or plan.rate <= 0:
+        return 0.0, 0.0
+    return host, host / (plan.rate + host)

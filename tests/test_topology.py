@@ -318,3 +318,48 @@ def test_discover_falls_back_without_nvml(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time: no warning
         Topology.discover(devs)
+
+
+# ---------------------------------------------------------------- host links (Blink's second channel)
+
+def _pair(host=None):
+    return Topology([0, 1], [(0, 1, 478.8, "nvlink"), (1, 0, 478.8, "nvlink")], "pair", host_links=host)
+
+
+def test_host_links_are_validated_kept_and_keyed():
+    t = _pair({0: 63.0, 1: 50.0})
+    assert t.host_links == {0: 63.0, 1: 50.0}
+    t.host_links[0] = 1.0  # a copy: the topology stays immutable
+    assert t.host_links[0] == 63.0
+    assert t != _pair() and t.key() != _pair().key() and t == _pair({1: 50.0, 0: 63.0})
+    assert "host (pinned memory, PCIe): 0: 63 GB/s, 1: 50 GB/s" in t.describe()
+    assert "host" not in _pair().describe().splitlines()[-1]
+    with pytest.raises(ValueError, match="host link of device 7"):
+        _pair({7: 10.0})
+    with pytest.raises(ValueError, match="finite number of GB/s > 0"):
+        _pair({0: 0.0})
+    big = Topology.preset("dgx1v")
+    big = Topology(big.devices, [(u, v, d["capacity"], d["kind"]) for u, v, d in big.graph.edges(data=True)],
+                   "dgx1v", host_links={i: 15.0 + i for i in range(8)})
+    assert big.subset([5, 2]).host_links == {5: 20.0, 2: 17.0}
+
+
+def test_nvml_discovery_fills_host_links():
+    fake = _dgx1v_fake()
+    t = topo_mod._topology_from_nvml(fake, [{"pci_bus_id": _bus(i).lower()} for i in range(8)], list(range(8)))
+    assert t.host_links == {i: pytest.approx(0.985 * 16) for i in range(8)}
+    switch_bus = "00000000:C0:00.0"
+    fake = FakeNVML([_bus(i) for i in range(2)], {i: [switch_bus] * 18 for i in range(2)}, version=4, pcie=(5, 16))
+    t = topo_mod._topology_from_nvml(fake, [{"ordinal": i} for i in range(2)], [3, 4], visible="")
+    assert t.host_links == {3: pytest.approx(3.938 * 16), 4: pytest.approx(3.938 * 16)}
+
+
+def test_host_path_gbps():
+    t = _pair({0: 63.0, 1: 31.5})
+    assert topo_mod.host_path_gbps(t, 0, 1) == pytest.approx(31.5 * topo_mod.HOST_PATH_EFFICIENCY)
+    assert topo_mod.host_path_gbps(t, 0, 0) == 0.0
+    assert topo_mod.host_path_gbps(_pair({0: 63.0}), 0, 1) == 0.0  # device 1's link unknown
+    # gen5 x16 gives the 40 GB/s per direction measured on the 2 x H200 machine
+    assert topo_mod.host_path_gbps(_pair({0: 3.938 * 16, 1: 3.938 * 16}), 1, 0) == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="device 9"):
+        topo_mod.host_path_gbps(t, 0, 9)

@@ -256,3 +256,30 @@ def test_plan_time():
         t0 = time.perf_counter()
         _certify(plan(big, c))
         assert time.perf_counter() - t0 < 20.0, c
+
+
+def test_hybrid_share_splits_in_proportion_to_the_rates():
+    from jax_blink.topology import HOST_PATH_EFFICIENCY
+    from jax_blink.treegen import hybrid_share
+
+    links = [(0, 1, 100.0, "nvlink"), (1, 0, 100.0, "nvlink")]
+    t = Topology([0, 1], links, "pair", host_links={0: 50.0, 1: 60.0})
+    p = plan(t, "allreduce")
+    host, share = hybrid_share(p)
+    assert host == pytest.approx(50.0 * HOST_PATH_EFFICIENCY)
+    assert share == pytest.approx(host / (p.rate + host))
+    assert 0 < share < 0.5
+    assert hybrid_share(plan(t, "broadcast", 0)) == (0.0, 0.0)  # all-reduce only
+    assert hybrid_share(plan(Topology([0, 1], links, "pair"), "allreduce")) == (0.0, 0.0)  # no host links
+    three = Topology([0, 1, 2], [(u, v, 10.0, "nvlink") for u in range(3) for v in range(3) if u != v],
+                     "tri", host_links={0: 50.0, 1: 50.0, 2: 50.0})
+    assert hybrid_share(plan(three, "allreduce")) == (0.0, 0.0)  # 2 devices only, for now
+
+
+def test_explain_names_the_host_channel_only_where_it_is_known():
+    import jax_blink
+
+    links = [(0, 1, 100.0, "nvlink"), (1, 0, 100.0, "nvlink")]
+    with_host = jax_blink.explain(Topology([0, 1], links, "pair", host_links={0: 63.0, 1: 63.0}), nbytes=1 << 20)
+    assert "host channel" in with_host and "Not done by this version's executors" in with_host
+    assert "host channel" not in jax_blink.explain(Topology([0, 1], links, "pair"), nbytes=1 << 20)

@@ -48,9 +48,22 @@ def main() -> None:
             v = lax.optimization_barrier(v * 1.0001)
         return v
 
+    def noop_chain():  # XLA's own price of an FFI call: our binding, no work, result aliased to x
+        call = jax.ffi.ffi_call(_backends.TARGET_NOOP, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                has_side_effect=True, input_output_aliases={0: 0})
+
+        def body(v):
+            for i in range(a.k):
+                v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                         comm_id=np.int64(20_000_000 + i), timeout_ms=np.int64(10_000))
+            return v
+        return jax.jit(body)
+
     rows = [("XLA elementwise op", jax.jit(xla_ops)),
             ("jax_blink custom call (plain)", chain(_backends.TARGET)),
             ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
+    if _backends.TARGET_NOOP in _backends.module("gpu" if platform == "gpu" else "cpu").registrations():
+        rows.append(("no-op FFI call, same binding", noop_chain()))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.k} chained calls, median of {a.runs}")
     for name, fn in rows:
         try:

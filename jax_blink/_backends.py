@@ -11,6 +11,8 @@ TARGET = "jax_blink_collective"
 #: capture it in a CUDA graph with its neighbours (``config.command_buffers``). On CPU it is the
 #: plain handler under a second name.
 TARGET_CB = "jax_blink_collective_cb"
+#: Where the executor has it (CUDA): the same binding doing nothing, to measure XLA's price of a call.
+TARGET_NOOP = "jax_blink_noop"
 
 # XLA's platform names for the handlers of each compiled module.
 _MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
@@ -42,6 +44,8 @@ def register(platform: str) -> bool:
         graph = plain
     jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
     jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
+    if TARGET_NOOP in plain:
+        jax.ffi.register_ffi_target(TARGET_NOOP, plain[TARGET_NOOP], platform=xla_platform)
     return True
 
 

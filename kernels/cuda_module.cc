@@ -163,6 +163,14 @@ ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, true);
 }
 
+// The measuring stick: the same binding, no work (the caller aliases the result to x). What a
+// chain of these costs per call is XLA's own price for an FFI custom call (benchmarks/
+// xla_call_overhead.py), to set against our handler plus its kernel launch.
+ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                ffi::Result<ffi::AnyBuffer>, ffi::Span<const int32_t>, int32_t, int64_t, int64_t) {
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define JAX_BLINK_BINDING                                  \
@@ -181,6 +189,7 @@ ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpCuda, NoOp, JAX_BLINK_BINDING);
 
 NB_MODULE(_blink_cuda, m) {
   m.doc() = "jax_blink CUDA executor: the FFI handler of 'jax_blink_collective' for GPUs (peer access).";
@@ -191,12 +200,14 @@ NB_MODULE(_blink_cuda, m) {
         nb::dict d;
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(
             command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
+        d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
         return d;
       },
       nb::arg("command_buffers") = false,
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='CUDA'). "
       "command_buffers=True gives the handler that claims the command-buffer trait (its first call per "
-      "call site must run uncaptured).");
+      "call site must run uncaptured). 'jax_blink_noop' has the same binding and does nothing (alias its "
+      "result to x): XLA's own cost per FFI call, for benchmarks/xla_call_overhead.py.");
 
   m.def(
       "check",

@@ -5,6 +5,8 @@ timed over several runs after a warm-up; the median divided by K is the time per
 bytes / time and ``busbw`` is algbw * 2(n-1)/n for all-reduce (nccl-tests' definitions). Every size
 is also checked: one call of ours against one of ``lax.psum`` on fresh random data, and ``#wrong``
 counts the elements that differ by more than rounding (or that differ between ranks).
+``spread%`` says how much the runs of one size disagree, ours / lax: (75th - 25th percentile) /
+median of the program times, in percent (0 with fewer than 4 runs).
 
 ``--slope K2`` also times K2 chained calls and reports the marginal cost of a call,
 (t(K2) - t(K)) / (K2 - K), for ours and lax: the program's fixed cost (dispatch, the devices'
@@ -81,8 +83,8 @@ def _chained(fn, mesh, axis: str, k: int, **overrides):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def median_time(fn, x, runs: int) -> float:
-    """Median wall time of ``fn(x)`` over ``runs`` runs, after compiling and one warm-up run."""
+def run_times(fn, x, runs: int) -> list[float]:
+    """Wall times of ``runs`` runs of ``fn(x)``, after compiling and one warm-up run."""
     fn(x).block_until_ready()  # compile + warm up
     fn(x).block_until_ready()
     times = []
@@ -90,7 +92,20 @@ def median_time(fn, x, runs: int) -> float:
         t0 = time.perf_counter()
         fn(x).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, x, runs: int) -> float:
+    """Median wall time of ``fn(x)`` over ``runs`` runs, after compiling and one warm-up run."""
+    return statistics.median(run_times(fn, x, runs))
+
+
+def spread(times: list[float]) -> float:
+    """How much the runs disagree: (75th - 25th percentile) / median (0 for fewer than 4 runs)."""
+    if len(times) < 4:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    return (q[2] - q[0]) / statistics.median(times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +229,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     print(f"# jax_blink.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}")
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
-          f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7}"
+          f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7} {'spread%':>9}"
           + (f" {'cb(us)':>9}" if command_buffers else "")
           + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else "")
           + (f" {'tuned(B)':>9} {'t.us':>10} {'t.spdup':>7}" if tune_chunks else ""))
@@ -230,8 +245,9 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             host = rng.standard_normal((n * count,)).astype(np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
-            t_ours = median_time(ours_fn, x, runs) / k
-            t_psum = median_time(psum_fn, x, runs) / k
+            times_ours, times_psum = run_times(ours_fn, x, runs), run_times(psum_fn, x, runs)
+            t_ours = statistics.median(times_ours) / k
+            t_psum = statistics.median(times_psum) / k
             t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
             s_ours = s_psum = float("nan")
             if slope_k:
@@ -245,6 +261,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        time_us=t_ours * 1e6, algbw=size / t_ours / 1e9, busbw=size / t_ours / 1e9 * bus,
                        lax_time_us=t_psum * 1e6, lax_algbw=size / t_psum / 1e9,
                        lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
+                       spread=spread(times_ours), lax_spread=spread(times_psum),
                        cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
                        slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"))
             # Tuned: throughput is this row's size per second (autotune.tune_chunk), so size / it is
@@ -253,9 +270,10 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             row.update(tuned_chunk=tuned.chunk_bytes if tuned else float("nan"),
                        tuned_time_us=t_tuned * 1e6, tuned_speedup=t_psum / t_tuned)
             rows.append(row)
+            spreads = f"{100 * row['spread']:.0f}/{100 * row['lax_spread']:.0f}"
             print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
-                  f"{row['speedup']:>8.2f} {wrong:>7}"
+                  f"{row['speedup']:>8.2f} {wrong:>7} {spreads:>9}"
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else "")
                   + (f" {row['slope_us']:>7.1f} {row['lax_slope_us']:>7.1f} {row['slope_speedup']:>7.2f}"
                      if slope_k else "")

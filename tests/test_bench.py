@@ -1,6 +1,7 @@
 """The benchmark tool runs every collective, checks it against lax and writes its table."""
 import csv
 import json
+import statistics
 
 import jax
 import pytest
@@ -18,6 +19,7 @@ def test_bench_runs_checks_and_writes(tmp_path, collective):
     rows = list(csv.DictReader(open(path)))
     assert [int(r["wrong"]) for r in rows] == [0, 0]
     assert all(float(r["time_us"]) > 0 and float(r["lax_time_us"]) > 0 for r in rows)
+    assert all(float(r["spread"]) >= 0 and float(r["lax_spread"]) >= 0 for r in rows)
     assert path.with_suffix(".png").stat().st_size > 0
 
 
@@ -60,3 +62,12 @@ def test_bench_without_tune_chunks_has_nan_tuned_columns(capsys):
     assert all(r["tuned_chunk"] != r["tuned_chunk"] and r["tuned_time_us"] != r["tuned_time_us"]
                for r in rows)  # NaN, as cb_time_us without --command-buffers
     assert "miad" not in capsys.readouterr().out
+
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    assert bench.spread([1.0, 1.0, 1.0]) == 0.0  # too few runs to say
+    assert bench.spread([2.0] * 6) == 0.0
+    times = [1.0, 2.0, 3.0, 4.0, 5.0]
+    q = statistics.quantiles(times, n=4)
+    assert bench.spread(times) == pytest.approx((q[2] - q[0]) / 3.0)
+    assert bench.spread([1.0, 1.0, 1.0, 10.0, 10.0]) > 1.0  # runs that disagree show it

@@ -180,6 +180,17 @@ def _staging_bytes() -> int | None:
     return int(_blink_cuda.staging_bytes())
 
 
+def _host_bytes() -> int | None:
+    """Pinned host memory of the CUDA executor's hybrid sites (the host channel), per rank: the
+    largest over its communicators (None without the CUDA module; 0 from a module that predates
+    the host channel)."""
+    try:
+        from jax_blink import _blink_cuda
+    except ImportError:
+        return None
+    return max((int(c.get("host_bytes", 0)) for c in _blink_cuda.comms()), default=0)
+
+
 def _time_or_error(fn, x, runs: int) -> float:
     try:
         return median_time(fn, x, runs)
@@ -282,9 +293,12 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             if tuned:
                 print(_trial_log(tuned), flush=True)
     staging = _staging_bytes() if devices[0].platform == "gpu" else None
+    host_bytes = _host_bytes() if devices[0].platform == "gpu" else None
     if staging is not None:
         print(f"# staging memory of the executor: {staging / 2**20:.1f} MiB per rank "
               f"(limit: min(1% of device memory, 256 MiB))")
+    if host_bytes is not None:
+        print(f"# pinned host memory of the executor (host channel): {host_bytes / 2**20:.1f} MiB per rank")
     if out_dir:
         kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
         stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}")
@@ -294,8 +308,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             w.writeheader()
             w.writerows(rows)
         meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
-                    date=_dt.date.today().isoformat(), staging_bytes=staging, chunk_bytes=config.chunk_bytes,
-                    tune_chunks=tune_chunks)
+                    date=_dt.date.today().isoformat(), staging_bytes=staging, host_bytes=host_bytes,
+                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         plot(stem + ".csv", stem + ".png", ceiling)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from jax import lax
 
 from . import _backends, autotune, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config
-from .topology import Topology
+from .topology import NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
 
 AxisName = str | tuple[str, ...]
@@ -223,6 +224,25 @@ def _program(topology: Topology, collective: str, root, total_elems: int, itemsi
     return program
 
 
+@functools.lru_cache(maxsize=256)
+def _plan_share(topology: Topology, collective: str, root, method: str) -> float:
+    # The plan's hybrid share (treegen.hybrid_share): the plan is the one _program schedules
+    # (treegen caches it; this cache keeps the number even where that cache was cleared, so a
+    # trace never solves again for it).
+    root_id = None if root is None else topology.devices[root]
+    return float(hybrid_share(_plan(topology, collective, root_id, method=method))[1])
+
+
+def _host_share(platform: str, topology: Topology, collective: str, root, method: str) -> float:
+    """The ``host_share`` attribute of a call: the fraction of an all-reduce's elements that the
+    executor may send through pinned host memory (Blink's hybrid transfer), from the plan; 0.0
+    off the GPU, for other collectives, or where the topology knows no host links. The CUDA
+    executor uses it for 2-rank all-reduces of at least ``JAX_BLINK_HOST_MIN_BYTES`` only."""
+    if platform != "gpu" or collective != "allreduce" or not topology.host_links:
+        return 0.0
+    return _plan_share(topology, collective, root, method)
+
+
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
                      topology=None, method="exact", result_type=None):
     """One ``jax_blink_collective`` custom call over a flat operand."""
@@ -232,6 +252,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     itemsize = np.dtype(flat.dtype).itemsize
     chunk = _chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype)
     program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
+    share = _host_share(platform, topo, collective, root, method)
     rank = _axis_index(axes).astype(jnp.int32)
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
@@ -239,7 +260,8 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=True)
     return call(flat, rank, _group_index(axes), program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
-                timeout_ms=np.int64(round(config.timeout_s * 1000)))
+                timeout_ms=np.int64(round(config.timeout_s * 1000)),
+                host_share=np.float32(share))
 
 
 def _replicated_type(x, axes):
@@ -419,6 +441,20 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 # ---------------------------------------------------------------------------------------------
 # Looking inside.
 
+#: The CUDA executor's default for JAX_BLINK_HOST_MIN_BYTES (kDefaultHostMinBytes).
+HOST_MIN_BYTES = 256 << 20
+
+
+def _host_min_bytes() -> int:
+    """JAX_BLINK_HOST_MIN_BYTES as the CUDA executor reads it: a non-negative integer, else the
+    default."""
+    try:
+        v = int(os.environ.get("JAX_BLINK_HOST_MIN_BYTES", ""), 0)
+    except ValueError:
+        return HOST_MIN_BYTES
+    return max(v, 1) if v >= 0 else HOST_MIN_BYTES
+
+
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
             dtype="float32", method: str = "exact", device_kind: str | None = None) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
@@ -441,9 +477,17 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
         total = nbytes // itemsize
         host, share = hybrid_share(p)
         if host > 0:
-            lines.append(f"host channel (pinned memory over PCIe): {host:.1f} GB/s beside the trees' "
-                         f"{p.rate:.1f}; Blink's hybrid transfer would send {share:.1%} of the data "
-                         f"through it. Not done by this version's executors: all of it takes the trees.")
+            min_bytes = _host_min_bytes()
+            lines.append(
+                f"host channel (pinned memory over PCIe): {host:.1f} GB/s beside the trees' "
+                f"{p.rate * NVLINK_EFFICIENCY:.1f} (their {p.rate:.1f} at NVLink's measured "
+                f"efficiency); Blink's hybrid transfer sends {share:.1%} of the data through it. "
+                f"The CUDA executor does so for all-reduces of at least JAX_BLINK_HOST_MIN_BYTES "
+                f"({HOST_MIN_BYTES >> 20} MiB by default) on 2 GPUs; smaller ones take NVLink only. This one "
+                f"({nbytes} bytes per rank, the limit now {min_bytes}): "
+                + ("host channel and NVLink." if nbytes >= min_bytes else "NVLink only.")
+                + (f" JAX_BLINK_HOST_SHARE={os.environ['JAX_BLINK_HOST_SHARE']} overrides the share."
+                   if os.environ.get("JAX_BLINK_HOST_SHARE") else ""))
     kind = device_kind or _device_kind()
     chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
     prog = _program(topology, collective,

@@ -33,6 +33,8 @@ __all__ = [
     "NVLINK_GBPS",
     "PCIE_GBPS",
     "HOST_GBPS",
+    "HOST_PATH_EFFICIENCY",
+    "NVLINK_EFFICIENCY",
 ]
 
 LINK_KINDS = ("nvlink", "pcie", "host", "switch")
@@ -62,6 +64,10 @@ PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.93
 #: direction when the copies are pipelined: 40 GB/s measured on the 2 x H200 machine (DESIGN.md,
 #: "the second channel") against gen5 x16's 63 nominal. Used by :func:`host_path_gbps`.
 HOST_PATH_EFFICIENCY = 40.0 / (16 * 3.938)
+
+#: Of the nominal NVLink rate, what SM-driven peer writes reach: 364 GB/s per direction with both
+#: directions busy, measured on 2 x H200 (NV18), against 18 links x 26.6 GB/s nominal.
+NVLINK_EFFICIENCY = 364.0 / (18 * NVLINK_GBPS[4])
 
 #: Nominal GB/s per direction between two CPU host devices of one process (memcpy through
 #: shared memory). The planners only need the ratio between links, and a host mesh is uniform.

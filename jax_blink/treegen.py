@@ -39,7 +39,7 @@ from typing import Any
 
 import networkx as nx
 
-from .topology import Topology, host_path_gbps
+from .topology import NVLINK_EFFICIENCY, Topology, host_path_gbps
 
 __all__ = ["Plan", "plan", "COLLECTIVES", "METHODS", "broadcast_bound", "partition_bound",
            "clear_plan_cache"]
@@ -963,16 +963,35 @@ def _plan_allreduce(topology: Topology, g: nx.DiGraph, root: int | None, method:
                 tuple(r for _, r, _ in pieces), info)
 
 
+#: Link kinds that are NVLink: direct links, and the NVSwitch fabric (links into a switch).
+_NVLINK_KINDS = frozenset({"nvlink", "switch"})
+
+
 def hybrid_share(plan: Plan) -> tuple[float, float]:
-    """Blink's hybrid transfer for a 2-device all-reduce: ``(host_gbps, fraction)``, where
-    ``host_gbps`` is what the host channel (:func:`jax_blink.topology.host_path_gbps`, the slower
-    direction) adds beside the trees' ``plan.rate``, and ``fraction = host / (rate + host)`` is the
-    share of the data to send through it so that both channels finish together. ``(0.0, 0.0)``
-    for other collectives, other device counts, or unknown host links."""
+    """Blink's hybrid transfer for a 2-device all-reduce: ``(host_gbps, fraction)``.
+
+    ``host_gbps`` is what the host channel (GPU -> pinned host memory -> GPU,
+    :func:`jax_blink.topology.host_path_gbps`, the slower direction) moves beside the trees. The
+    trees reach ``nv = plan.rate * NVLINK_EFFICIENCY`` (:data:`jax_blink.topology.NVLINK_EFFICIENCY`:
+    the plan's rate is nominal, SM-driven peer writes reach less of it), and
+    ``fraction = host / (nv + host)`` is the share of the elements to send through the host so
+    that both channels, each at the rate it actually reaches, finish together (2 x H200, NV18,
+    gen5 x16: 40 / (364 + 40) = 0.099).
+
+    ``(0.0, 0.0)`` for other collectives, other device counts, unknown host links, or two devices
+    not linked by NVLink alone (kind ``"nvlink"`` or ``"switch"`` in both directions): where the
+    trees run over PCIe or host links, the host path would share those same links, so it is no
+    second channel."""
     devs = plan.topology.devices
-    if plan.collective != "allreduce" or len(devs) != 2:
+    if plan.collective != "allreduce" or len(devs) != 2 or plan.rate <= 0:
         return 0.0, 0.0
-    host = min(host_path_gbps(plan.topology, devs[0], devs[1]), host_path_gbps(plan.topology, devs[1], devs[0]))
-    if host <= 0 or plan.rate <= 0:
+    a, b = devs
+    g = plan.topology.simple_graph()
+    for u, v in ((a, b), (b, a)):
+        if not g.has_edge(u, v) or not set(g[u][v]["kinds"]) <= _NVLINK_KINDS:
+            return 0.0, 0.0
+    host = min(host_path_gbps(plan.topology, a, b), host_path_gbps(plan.topology, b, a))
+    if host <= 0:
         return 0.0, 0.0
-    return host, host / (plan.rate + host)
+    nv = plan.rate * NVLINK_EFFICIENCY
+    return host, host / (nv + host)

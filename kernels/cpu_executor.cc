@@ -662,7 +662,7 @@ bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, c
 ffi::Error Execute(int32_t device, ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Span<const int32_t> program, int32_t op, int64_t comm_id,
-                   int64_t timeout_ms) {
+                   int64_t timeout_ms, float /*host_share*/) {
   const ffi::DataType dtype = x.element_type();
   auto dev = [&] {  // error messages only: no allocation on the good path
     return "jax_blink (host device " + std::to_string(device) + ", collective " +
@@ -843,4 +843,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCpu, jax_blink::cpu::Execute,
                                   .Attr<xla::ffi::Span<const int32_t>>("program")
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("timeout_ms")
+                                  // Blink's hybrid transfer share (the CUDA executor's host
+                                  // channel): accepted and ignored. On CPU host devices all memory
+                                  // is host memory; there is no second channel.
+                                  .Attr<float>("host_share"));

@@ -12,7 +12,8 @@
 // The typed-FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL in cpu_executor.cc). Binding:
 //   Ctx<DeviceOrdinal>, Ctx<RunId> (matches calls of one launch), Arg<AnyBuffer> x, Arg<Buffer<S32>> rank, Arg<Buffer<S32>> group,
 //   Ret<AnyBuffer> out, Attr<Span<const int32_t>> program, Attr<int32_t> op,
-//   Attr<int64_t> comm_id, Attr<int64_t> timeout_ms.
+//   Attr<int64_t> comm_id, Attr<int64_t> timeout_ms, Attr<float> host_share (ignored here: on
+//   host devices all memory is host memory, there is no second channel).
 extern "C" XLA_FFI_Error* JaxBlinkCollectiveCpu(XLA_FFI_CallFrame* call_frame);
 
 namespace jax_blink::cpu {

@@ -71,3 +71,18 @@ def test_spread_is_the_interquartile_range_over_the_median():
     q = statistics.quantiles(times, n=4)
     assert bench.spread(times) == pytest.approx((q[2] - q[0]) / 3.0)
     assert bench.spread([1.0, 1.0, 1.0, 10.0, 10.0]) > 1.0  # runs that disagree show it
+
+
+def test_host_bytes_is_the_largest_communicator_and_tolerates_an_older_module(monkeypatch):
+    import sys
+    import types
+
+    import jax_blink
+
+    fake = types.ModuleType("jax_blink._blink_cuda")
+    fake.comms = lambda: [{"host_bytes": 3 << 20}, {"host_bytes": 5 << 20}, {}]  # {}: an older module
+    monkeypatch.setitem(sys.modules, "jax_blink._blink_cuda", fake)
+    monkeypatch.setattr(jax_blink, "_blink_cuda", fake, raising=False)
+    assert bench._host_bytes() == 5 << 20
+    fake.comms = lambda: []
+    assert bench._host_bytes() == 0

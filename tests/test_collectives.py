@@ -298,6 +298,32 @@ def test_explain_names_trees_and_chunks():
     assert "tree 0" in text and "chunk" in text and "bound" in text
 
 
+def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
+    """The hybrid transfer's share travels in the call's ``host_share`` attribute: the plan's
+    (treegen.hybrid_share) for a GPU all-reduce over a topology with host links, else 0."""
+    from jax_blink import collectives as C
+    from jax_blink.treegen import hybrid_share
+
+    # Every call carries the attribute (0 here: CPU host devices have no second channel).
+    mesh = _mesh((2, "x"))
+    x = _put(mesh, _random(np.random.default_rng(12), (2, 40), "float32"), P("x"))
+    text = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x")).lower(x).as_text()
+    assert "host_share = 0.000000e+00 : f32" in text
+
+    sw = jax_blink.Topology.preset("nvswitch:2")
+    links = [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)]
+    pair = jax_blink.Topology(sw.devices, links, "h200", host_links={0: 63.0, 1: 63.0})
+    want = hybrid_share(jax_blink.plan(pair, "allreduce"))[1]
+    assert 0.09 < want < 0.11
+    assert C._host_share("gpu", pair, "allreduce", None, "exact") == pytest.approx(want)
+    assert C._host_share("cpu", pair, "allreduce", None, "exact") == 0.0
+    assert C._host_share("gpu", pair, "broadcast", 0, "exact") == 0.0
+    assert C._host_share("gpu", sw, "allreduce", None, "exact") == 0.0  # no host links
+    # Cached: a later trace never plans again for it.
+    monkeypatch.setattr(C, "_plan", lambda *a, **k: pytest.fail("planned again"))
+    assert C._host_share("gpu", pair, "allreduce", None, "exact") == pytest.approx(want)
+
+
 def test_bf16_accumulates_in_float32():
     # 8 ranks of 1 + tiny: a bf16 running sum would lose the tiny parts, float32 keeps them.
     mesh = _mesh((N, "x"))

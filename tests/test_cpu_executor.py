@@ -144,7 +144,7 @@ def _mesh(shape, names):
 
 
 def collective(prog, *, op="sum", comm_id=None, timeout_ms=20000, mesh_shape=(N,),
-               skip_rank=None, alias=False, calls=1):
+               skip_rank=None, alias=False, calls=1, host_share=0.0):
     """A jitted f(x) with x of shape (devices, ...): every device calls the target on its row.
 
     The rank is the index along the last mesh axis, the group the index along the first one of a
@@ -160,7 +160,7 @@ def collective(prog, *, op="sum", comm_id=None, timeout_ms=20000, mesh_shape=(N,
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype), has_side_effect=True,
                                 input_output_aliases={0: 0} if alias else None)
         return call(v, rank, group, program=prog, op=np.int32(OPS[op]), comm_id=np.int64(comm_id),
-                    timeout_ms=np.int64(timeout_ms))
+                    timeout_ms=np.int64(timeout_ms), host_share=np.float32(host_share))
 
     def body(x, skip):
         rank = jax.lax.axis_index("x").astype(jnp.int32)
@@ -298,6 +298,15 @@ def test_int32_sum_wraps_like_numpy():
         np.testing.assert_array_equal(out[r], want)
 
 
+def test_host_share_is_accepted_and_ignored():
+    """The hybrid transfer's share (a GPU executor's host channel) changes nothing on host devices."""
+    prog = program(N, 1000, 4, [(0, BOTH, 0, 1000, binary(N))])
+    xs = random_data(np.float32, (N, 1000), np.random.default_rng(6))
+    plain, shared = collective(prog)(xs), collective(prog, host_share=0.5)(xs)
+    assert_bitwise(shared, plain)
+    check_allreduce(shared, xs, "sum")
+
+
 def test_multidimensional_operand_and_single_element():
     prog = program(N, 15, 4, [(0, BOTH, 0, 15, binary(N))])
     xs = random_data(np.float32, (N, 3, 5), np.random.default_rng(1))
@@ -381,7 +390,7 @@ def test_independent_calls_in_one_program():
         def call(v, prog, cid, op):
             return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype), has_side_effect=True)(
                 v, rank, jnp.int32(0), program=prog, op=np.int32(op), comm_id=np.int64(cid),
-                timeout_ms=np.int64(20000))
+                timeout_ms=np.int64(20000), host_share=np.float32(0))
         return call(x, prog_a, ca, 0), call(y, prog_b, cb, 1)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
@@ -402,7 +411,7 @@ def test_pmap():
         rank = jax.lax.axis_index("i").astype(jnp.int32)
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)(
             x, rank, jnp.int32(0), program=prog, op=np.int32(0), comm_id=np.int64(cid),
-            timeout_ms=np.int64(20000))
+            timeout_ms=np.int64(20000), host_share=np.float32(0))
 
     xs = random_data(np.float32, (N, 21), np.random.default_rng(9))
     out = np.asarray(jax.pmap(body, axis_name="i", devices=jax.devices("cpu")[:N])(xs))
@@ -477,7 +486,7 @@ def test_late_rank_fails_fast():
         x = jax.pure_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), rank, x)
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)(
             x, rank, jnp.int32(0), program=prog, op=np.int32(0), comm_id=np.int64(cid),
-            timeout_ms=np.int64(TIMEOUT_MS))
+            timeout_ms=np.int64(TIMEOUT_MS), host_share=np.float32(0))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     xs = jax.device_put(random_data(np.float32, (N, 12), np.random.default_rng(17)),
@@ -514,7 +523,7 @@ def test_mismatched_programs_fail_fast():
             return lambda v: jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                               has_side_effect=True)(
                 v, rank, jnp.int32(0), program=prog, op=np.int32(0), comm_id=np.int64(cid),
-                timeout_ms=np.int64(20000))
+                timeout_ms=np.int64(20000), host_share=np.float32(0))
         return jax.lax.cond(rank < 4, call(prog_a), call(prog_b), x)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))

@@ -74,14 +74,16 @@ def _program(n, total, itemsize, segments=None, chunk_bytes=64 * 1024):
     return S.make_schedule(n, total, itemsize, segs, chunk_bytes=chunk_bytes).program()
 
 
-def _call(v, program, op=0, comm_id=None, timeout_ms=10_000):
-    """One custom call on the flat per-device operand v (inside shard_map over axis "x")."""
+def _call(v, program, op=0, comm_id=None, timeout_ms=10_000, host_share=0.0):
+    """One custom call on the flat per-device operand v (inside shard_map over axis "x").
+    ``host_share``: the fraction of an all-reduce the executor may send through pinned host
+    memory (used from JAX_BLINK_HOST_MIN_BYTES on; JAX_BLINK_HOST_SHARE overrides it)."""
     rank = lax.axis_index("x").astype(jnp.int32)
     out_type = jax.eval_shape(lambda u: lax.psum(u, "x"), v)  # psum's (replicated) result type
     call = jax.ffi.ffi_call(TARGET, out_type, has_side_effect=True)
     return call(v, rank, jnp.int32(0), program=program, op=np.int32(op),
                 comm_id=np.int64(next(_ids) if comm_id is None else comm_id),
-                timeout_ms=np.int64(timeout_ms))
+                timeout_ms=np.int64(timeout_ms), host_share=np.float32(host_share))
 
 
 _LAX = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}
@@ -118,10 +120,10 @@ _MODE_ENV = {
 
 
 def _sites_by_mode():
-    total = {"tree": 0, "ll": 0, "oneshot": 0}
+    total = {"tree": 0, "ll": 0, "oneshot": 0, "hybrid": 0}
     for c in _blink_cuda.comms():
         for m, k in c["sites_by_mode"].items():
-            total[m] += k
+            total[m] = total.get(m, 0) + k
     return total
 
 
@@ -147,6 +149,39 @@ def test_allreduce_sum_matches_psum(dtype, n_per, mode, monkeypatch):
     _blink_cuda.check()
     if mode != "auto":  # 2 new sites (one per GPU), both in the mode asked for
         assert after[mode] - before[mode] == 2, (before, after)
+
+
+@pytest.mark.parametrize("share_from", ["env", "attribute"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_allreduce_hybrid_host_channel_matches_psum(dtype, share_from, monkeypatch):
+    """Blink's hybrid transfer: a quarter of the elements go GPU -> pinned host memory -> GPU,
+    the rest through the trees over NVLink; the sum must be psum's, on both ranks alike.
+
+    The executor reads the environment when a call site is set up (the first call of a newly
+    traced function), so it is set before that. The one-shot kernels are turned off: this size
+    would take them otherwise."""
+    _register()
+    n_per = (1 << 20) + 5  # not a multiple of the 16-byte alignment: a ragged tail
+    monkeypatch.setenv("JAX_BLINK_HOST_MIN_BYTES", "65536")
+    for k, v in _MODE_ENV["tree"].items():
+        monkeypatch.setenv(k, v)
+    if share_from == "env":
+        monkeypatch.setenv("JAX_BLINK_HOST_SHARE", "0.25")
+        host_share = 0.0  # the environment overrides the attribute
+    else:
+        monkeypatch.delenv("JAX_BLINK_HOST_SHARE", raising=False)
+        host_share = 0.25
+    itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    program = _program(2, n_per, itemsize)
+    x = _data(n_per, dtype, seed=21)
+    before = _sites_by_mode()
+    got = _run(lambda v: _call(v, program, host_share=host_share), x)
+    after = _sites_by_mode()
+    want = _run(lambda v: lax.psum(v, "x"), x)
+    _check(got, want, dtype, n_per)
+    _blink_cuda.check()
+    assert after["hybrid"] - before["hybrid"] == 2, (before, after)  # one site per GPU
+    assert max(c.get("host_bytes", 0) for c in _blink_cuda.comms()) > 0
 
 
 @pytest.mark.parametrize("op", [1, 2])
@@ -248,7 +283,8 @@ def test_module_api():
     # The one-shot inbox of a communicator: at most min(1% of device memory, 256 MiB) per rank.
     assert 0 <= _blink_cuda.staging_bytes() <= 256 << 20
     for c in _blink_cuda.comms():
-        assert set(c["sites_by_mode"]) == {"tree", "ll", "oneshot"}
+        assert set(c["sites_by_mode"]) == {"tree", "ll", "oneshot", "hybrid"}
         assert sum(c["sites_by_mode"].values()) == c["num_sites"]
+        assert c["host_bytes"] >= 0  # pinned host memory of its hybrid sites, per rank
     assert isinstance(_blink_cuda.comms(), list)
-    assert set(_blink_cuda.registrations()) == {TARGET}
+    assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_noop"}

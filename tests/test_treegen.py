@@ -259,27 +259,59 @@ def test_plan_time():
 
 
 def test_hybrid_share_splits_in_proportion_to_the_rates():
-    from jax_blink.topology import HOST_PATH_EFFICIENCY
+    from jax_blink.topology import HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, PCIE_LANE_GBPS
     from jax_blink.treegen import hybrid_share
 
     links = [(0, 1, 100.0, "nvlink"), (1, 0, 100.0, "nvlink")]
     t = Topology([0, 1], links, "pair", host_links={0: 50.0, 1: 60.0})
     p = plan(t, "allreduce")
+    assert p.rate == pytest.approx(100.0)
     host, share = hybrid_share(p)
-    assert host == pytest.approx(50.0 * HOST_PATH_EFFICIENCY)
-    assert share == pytest.approx(host / (p.rate + host))
+    assert host == pytest.approx(50.0 * HOST_PATH_EFFICIENCY)  # the slower host link
+    # Both channels at the rates they reach: NVLink at its measured efficiency, not nominal.
+    nv = 100.0 * NVLINK_EFFICIENCY
+    assert share == pytest.approx(host / (nv + host))
+    assert share > host / (p.rate + host)
     assert 0 < share < 0.5
+
+    # 2 x H200 (NV18 behind NVSwitch, PCIe gen5 x16): 40 GB/s beside NVLink's measured 364.
+    gen5x16 = 16 * PCIE_LANE_GBPS[5]
+    sw = Topology.preset("nvswitch:2")
+    h200 = Topology(sw.devices, [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)],
+                    "h200", host_links={0: gen5x16, 1: gen5x16})
+    host, share = hybrid_share(plan(h200, "allreduce"))
+    assert host == pytest.approx(40.0) and share == pytest.approx(40.0 / (364.0 + 40.0))
+    assert share == pytest.approx(0.099, abs=5e-4)
+
     assert hybrid_share(plan(t, "broadcast", 0)) == (0.0, 0.0)  # all-reduce only
     assert hybrid_share(plan(Topology([0, 1], links, "pair"), "allreduce")) == (0.0, 0.0)  # no host links
     three = Topology([0, 1, 2], [(u, v, 10.0, "nvlink") for u in range(3) for v in range(3) if u != v],
                      "tri", host_links={0: 50.0, 1: 50.0, 2: 50.0})
     assert hybrid_share(plan(three, "allreduce")) == (0.0, 0.0)  # 2 devices only, for now
+    # Trees over PCIe or host links: the host path shares those links, no second channel.
+    for kinds in (("pcie", "pcie"), ("host", "host"), ("nvlink", "pcie")):
+        other = Topology([0, 1], [(0, 1, 30.0, kinds[0]), (1, 0, 30.0, kinds[0]),
+                                  (0, 1, 30.0, kinds[1]), (1, 0, 30.0, kinds[1])],
+                         "other", host_links={0: 50.0, 1: 50.0})
+        assert hybrid_share(plan(other, "allreduce")) == (0.0, 0.0), kinds
 
 
-def test_explain_names_the_host_channel_only_where_it_is_known():
+def test_explain_names_the_host_channel_only_where_it_is_known(monkeypatch):
     import jax_blink
 
+    monkeypatch.delenv("JAX_BLINK_HOST_MIN_BYTES", raising=False)
+    monkeypatch.delenv("JAX_BLINK_HOST_SHARE", raising=False)
     links = [(0, 1, 100.0, "nvlink"), (1, 0, 100.0, "nvlink")]
-    with_host = jax_blink.explain(Topology([0, 1], links, "pair", host_links={0: 63.0, 1: 63.0}), nbytes=1 << 20)
-    assert "host channel" in with_host and "Not done by this version's executors" in with_host
+    pair = Topology([0, 1], links, "pair", host_links={0: 63.0, 1: 63.0})
+
+    def host_line(nbytes):
+        (line,) = [s for s in jax_blink.explain(pair, nbytes=nbytes).splitlines() if "host channel" in s]
+        return line
+
+    small = host_line(1 << 20)
+    assert "all-reduces of at least JAX_BLINK_HOST_MIN_BYTES (256 MiB by default) on 2 GPUs" in small
+    assert small.endswith("): NVLink only.")
+    assert host_line(256 << 20).endswith("): host channel and NVLink.")
+    monkeypatch.setenv("JAX_BLINK_HOST_MIN_BYTES", str(1 << 20))
+    assert host_line(1 << 20).endswith("): host channel and NVLink.")
     assert "host channel" not in jax_blink.explain(Topology([0, 1], links, "pair"), nbytes=1 << 20)

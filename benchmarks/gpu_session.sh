@@ -4,7 +4,8 @@
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
 # Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
-# (the self-test's kernel bench: modes auto|tree|ll|oneshot, e.g. "--max 64M").
+# (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
+# hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
@@ -41,6 +42,9 @@ for step in $STEPS; do
         timeout 150 compute-sanitizer --tool $tool /tmp/selftest --quick > "$OUT/sanitizer-$tool.log" 2>&1
         echo "$tool rc=$?"; tail -4 "$OUT/sanitizer-$tool.log"
       done ;;
+    hybrid)
+      log hybrid
+      ST=/tmp/selftest timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
     overhead)
       log overhead
       timeout 120 python3 benchmarks/xla_call_overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -8 ;;

@@ -39,7 +39,7 @@ def main() -> None:
             for i in range(a.k):
                 v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
                          comm_id=np.int64(10_000_000 + 1000 * (target == _backends.TARGET_CB) + i),
-                         timeout_ms=np.int64(10_000))
+                         timeout_ms=np.int64(10_000), host_share=np.float32(0))
             return v
         return jax.jit(body)
 
@@ -55,7 +55,8 @@ def main() -> None:
         def body(v):
             for i in range(a.k):
                 v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                         comm_id=np.int64(20_000_000 + i), timeout_ms=np.int64(10_000))
+                         comm_id=np.int64(20_000_000 + i), timeout_ms=np.int64(10_000),
+                         host_share=np.float32(0))
             return v
         return jax.jit(body)
 

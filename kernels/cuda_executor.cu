@@ -72,6 +72,18 @@
 // min(1% of device memory, 256 MiB); it assumes every rank runs the communicator's one-shot sites
 // in the same order (SPMD; the site tag catches violations).
 //
+// ## Host channel (Blink's hybrid transfer): Mode::kHybrid
+// A 2-rank all-reduce site of at least JAX_BLINK_HOST_MIN_BYTES (256 MiB) whose call carries a
+// host share (the plan's: the host path's rate against the trees', treegen.hybrid_share) sends
+// the operand's last `share` of elements GPU -> pinned host memory -> GPU while the trees move
+// the rest over NVLink: PCIe and NVLink are separate links, so the two add up. The tree kernel
+// gets H more blocks (taken from the grid, so residency is unchanged) that do only this: each
+// copies its chunks of `in` into its rank's outbox (pinned, write-combined, mapped into both
+// GPUs), release-flags them in the peer's site block, then reads the peer's chunks from the
+// peer's outbox and reduces (see host_channel). The trees' segments are scaled into the rest of
+// the operand. SM-driven rather than copy engines: the flags, the time budget and the failure
+// path stay those of the kernel, there is no host-side sequencing, and a captured call replays.
+//
 // ## Flags and memory order (device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
 // waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
@@ -160,7 +172,7 @@ constexpr int kNumOps = 3;
 // Error kinds (ErrorRecord::kind).
 constexpr int kErrTimeout = 1, kErrAhead = 2, kErrAborted = 3, kErrMismatch = 4;
 // Where a wait was (ErrorRecord::phase).
-constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAtOneShot = 4;
+constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAtOneShot = 4, kAtHost = 5;
 // One-shot chunks: no smaller than this (flag cost), and the inbox keeps flags for at most
 // region / kMinOneShotChunk chunks.
 constexpr int64_t kMinOneShotChunk = 4096;
@@ -216,6 +228,17 @@ struct Params {
   uint32_t os_site;    // the call site's tag (low bits of comm_id)
   int64_t os_elems;    // the operand's elements
   int64_t os_chunk;    // kOneShot: elements per chunk
+  // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
+  // host_elems) through pinned host memory (2 ranks): this rank's outbox and the peer's, each two
+  // parity slots of host_slot bytes (device pointers of mapped memory); chunk flags [2][nchunks]
+  // u32 at off_hflag in the site block (written by the peer).
+  uint8_t* host_mine;
+  const uint8_t* host_peer;
+  int64_t host_off, host_elems, host_chunk;
+  uint64_t host_slot;
+  uint32_t off_hflag;
+  int32_t host_blocks;
+  int32_t host_cv;  // 1: read the peer's outbox with ld.global.cv (default), 0: ld.global.cg
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -254,17 +277,23 @@ struct OpMin { template <class A> __device__ static A apply(A a, A b) {
   if constexpr (std::is_floating_point_v<A>) return (a <= b || a != a) ? a : b;
   else return a <= b ? a : b; } };
 
-// Scalar load that bypasses L1 (peer data).
-template <class S>
+// Loads that bypass L1: ld.global.cg (peer data), or with kCv ld.global.cv (pinned host memory
+// that another GPU wrote: a line of it cached on this GPU from an earlier call is never used).
+template <bool kCv, class T>
+__device__ __forceinline__ T ld_bypass(const T* p) {
+  if constexpr (kCv) return __ldcv(p);
+  else return __ldcg(p);
+}
+template <class S, bool kCv = false>
 __device__ __forceinline__ S ldcg_scalar(const S* p) {
   if constexpr (sizeof(S) == 8) {
-    long long v = __ldcg(reinterpret_cast<const long long*>(p));
+    long long v = ld_bypass<kCv>(reinterpret_cast<const long long*>(p));
     S s; memcpy(&s, &v, 8); return s;
   } else if constexpr (sizeof(S) == 4) {
-    int v = __ldcg(reinterpret_cast<const int*>(p));
+    int v = ld_bypass<kCv>(reinterpret_cast<const int*>(p));
     S s; memcpy(&s, &v, 4); return s;
   } else {
-    unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    unsigned short v = ld_bypass<kCv>(reinterpret_cast<const unsigned short*>(p));
     S s; memcpy(&s, &v, 2); return s;
   }
 }
@@ -285,8 +314,8 @@ __device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v
 // buffer or this rank's buffer written by a peer over NVLink, never to be served from a stale L1
 // line. 16-byte vectors when every pointer is 16-byte aligned, scalar tail; fully scalar
 // otherwise. out may alias in or a source (each element is read before it is written, by the
-// same thread).
-template <class E, class Op>
+// same thread). kCv: every load is ld.global.cv instead (the host channel's pinned memory).
+template <class E, class Op, bool kCv = false>
 __device__ void combine_range(typename E::S* out, const typename E::S* in, const typename E::S* const* srcs,
                               int nk, typename E::S* const* dsts, int nd, int64_t len) {
   using S = typename E::S;
@@ -304,7 +333,7 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
         const int64_t j = base + int64_t{r} * kThreads;
-        if (j < nvec) res[r] = __ldcg(in4 + j);
+        if (j < nvec) res[r] = ld_bypass<kCv>(in4 + j);
       }
     } else {
       A acc[kUnroll][V];
@@ -312,7 +341,7 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
         const int64_t j = base + int64_t{r} * kThreads;
-        if (j < nvec) raw[r] = __ldcg(in4 + j);
+        if (j < nvec) raw[r] = ld_bypass<kCv>(in4 + j);
       }
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
@@ -325,7 +354,7 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
 #pragma unroll
         for (int r = 0; r < kUnroll; ++r) {
           const int64_t j = base + int64_t{r} * kThreads;
-          if (j < nvec) raw[r] = __ldcg(s4 + j);
+          if (j < nvec) raw[r] = ld_bypass<kCv>(s4 + j);
         }
 #pragma unroll
         for (int r = 0; r < kUnroll; ++r) {
@@ -359,10 +388,10 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
     }
   }
   for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) {
-    S v = ldcg_scalar(in + i);
+    S v = ldcg_scalar<S, kCv>(in + i);
     if (nk > 0) {
       A a = E::load(v);
-      for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar(srcs[k] + i)));
+      for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar<S, kCv>(srcs[k] + i)));
       v = E::store(a);
     }
     for (int d = 0; d < nd; ++d) dsts[d][i] = v;
@@ -491,6 +520,53 @@ __device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int
   sync::st_release_sys(inbox_at(p, sh.peer_base[dst], p.rank, phase, u), sh.k);
 }
 
+// Mode::kHybrid, host block hb of H (2 ranks): chunks hb, hb + H, ... of the slice [host_off,
+// host_off + host_elems). Send chunk c: copy this rank's `in` into its own outbox (pinned host
+// memory, slot k & 1), then st.release.sys the chunk's flag in the peer's site block (over
+// NVLink; the release orders the block's PCIe writes before it). Receive chunk c: wait for the
+// peer's flag here, then out = rank 0's op rank 1's (rank order: both ranks round alike), reading
+// the peer's outbox with ld.global.cv. A block sends c + H before it waits for c, so that both
+// directions of the PCIe links stay busy. Two outbox slots suffice for the reason the one-shot
+// inbox's do (see the header): this rank overwrites slot k & 1 in call k + 2 only after its call
+// k + 1 received the peer's call-(k + 1) chunks, sent after the peer's call k had finished.
+template <class E, class Op>
+__device__ void host_channel(const Params& p, Shared& sh, int hb) {
+  using S = typename E::S;
+  const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
+  const int par = static_cast<int>(sh.k & 1u);
+  const int64_t C = p.host_chunk, total = p.host_elems;
+  const int64_t nch = (total + C - 1) / C;
+  const S* in = static_cast<const S*>(p.in) + p.host_off;
+  S* out = static_cast<S*>(p.out) + p.host_off;
+  S* mine = reinterpret_cast<S*>(p.host_mine + par * p.host_slot);
+  const S* theirs = reinterpret_cast<const S*>(p.host_peer + par * p.host_slot);
+  const uint32_t* flag_here = reinterpret_cast<const uint32_t*>(p.site + p.off_hflag) + par * nch;
+  uint32_t* flag_there = reinterpret_cast<uint32_t*>(sh.peer_base[peer] + p.off_hflag) + par * nch;
+  auto send = [&](int64_t c) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    copy_range<S, false>(mine + lo, in + lo, len);
+    __syncthreads();  // every thread's stores before the release
+    if (tid == 0) sync::st_release_sys(flag_there + c, sh.k);
+  };
+  auto receive = [&](int64_t c) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    if (tid == 0) wait_for(p, sh, flag_here + c, peer, -1, p.host_off + lo, kAtHost);
+    __syncthreads();
+    if (sh.fail) return false;
+    const S* first = me == 0 ? in + lo : theirs + lo;
+    const S* second = me == 0 ? theirs + lo : in + lo;
+    if (p.host_cv) combine_range<E, Op, true>(out + lo, first, &second, 1, nullptr, 0, len);
+    else combine_range<E, Op, false>(out + lo, first, &second, 1, nullptr, 0, len);
+    return true;
+  };
+  int64_t c = hb;
+  if (c < nch) send(c);
+  for (; c < nch; c += H) {
+    if (c + H < nch) send(c + H);
+    if (!receive(c)) return;
+  }
+}
+
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p) {
   using S = typename E::S;
@@ -543,6 +619,12 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
       const int64_t hi = lo + per < len ? lo + per : len;
       if (hi > lo) copy_range<S, false>(out + off + lo, in + off + lo, hi - lo);
     }
+  }
+
+  // Mode::kHybrid: the blocks past the trees' grid run the host channel, and only that.
+  if (b >= p.grid) {
+    host_channel<E, Op>(p, sh, b - p.grid);
+    goto done;
   }
 
   // Reduce pass: step (R, u).
@@ -932,7 +1014,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
 using KernelFn = void (*)(const Params);
 
 template <class E, class Op>
-constexpr KernelFn kernel_for_mode(Mode m) {
+constexpr KernelFn kernel_for_mode(Mode m) {  // kTree and kHybrid: the tree kernel
   return m == Mode::kLL ? &ll_kernel<E, Op> : m == Mode::kOneShot ? &oneshot_kernel<E, Op> : &collective_kernel<E, Op>;
 }
 
@@ -953,7 +1035,7 @@ KernelFn KernelFor(DType d, int op, Mode m) {
   return nullptr;
 }
 
-constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot};
+constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot};  // the kernels (kHybrid runs kTree's)
 
 // ---------------------------------------------------------------------------------------------
 // Host state.
@@ -1008,6 +1090,8 @@ struct Site {
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
+  void* host_buf = nullptr;             // kHybrid: this rank's outbox (pinned, two parity slots)
+  size_t host_bytes = 0;
 };
 
 namespace {
@@ -1129,6 +1213,47 @@ int64_t EnvBytes(const char* name, int64_t fallback) {
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 
+// The host channel of a site (Mode::kHybrid), decided at set-up.
+struct HostSlice {
+  int64_t elems = 0;   // the operand's last `elems` elements take the host channel (0: none)
+  int64_t chunk = 0;   // elements per chunk (the unit of flags)
+  int blocks = 0;      // blocks of the kernel that drive it
+  uint64_t slot = 0;   // bytes of one outbox slot
+  bool cv = true;      // JAX_BLINK_HOST_LOADS=cg: the peer's outbox through ld.global.cg (measuring)
+  bool wc = true;      // JAX_BLINK_HOST_WC=0: outboxes not write-combined (measuring)
+};
+
+// Whether and how much of a site goes through pinned host memory: a 2-rank all-reduce of at
+// least the minimum size with a positive share (JAX_BLINK_HOST_SHARE overrides the plan's), the
+// slice within host_max bytes, 16-byte aligned, and at least one block left for the trees.
+HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total, int esize, int grid) {
+  HostSlice h;
+  double share = opt.host_share;
+  if (const char* e = std::getenv("JAX_BLINK_HOST_SHARE"); e != nullptr && *e != 0) {
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    if (end != e && *end == 0) share = v;
+  }
+  const int64_t payload = total * esize;
+  const int64_t min_bytes = opt.host_min_bytes >= 0 ? opt.host_min_bytes : EnvBytes("JAX_BLINK_HOST_MIN_BYTES", kDefaultHostMinBytes);
+  const int64_t max_bytes = opt.host_max_bytes >= 0 ? opt.host_max_bytes : EnvBytes("JAX_BLINK_HOST_MAX_BYTES", kDefaultHostMaxBytes);
+  int blocks = opt.host_blocks >= 0 ? opt.host_blocks : static_cast<int>(EnvBytes("JAX_BLINK_HOST_BLOCKS", kDefaultHostBlocks));
+  const int64_t chunk_bytes = opt.host_chunk_bytes > 0 ? opt.host_chunk_bytes : EnvBytes("JAX_BLINK_HOST_CHUNK_BYTES", kDefaultHostChunkBytes);
+  if (n != 2 || !allreduce || !(share > 0) || payload < std::max<int64_t>(min_bytes, 1) || blocks < 1 || grid < 2) return h;
+  const int64_t align = std::max(1, 16 / esize);
+  int64_t elems = static_cast<int64_t>(std::min(share, 1.0) * static_cast<double>(total));
+  elems = std::min(elems, std::max<int64_t>(max_bytes, 0) / esize) / align * align;
+  if (elems <= 0) return h;
+  h.elems = elems;
+  h.chunk = std::max<int64_t>(align, std::max<int64_t>(chunk_bytes, 4096) / esize / align * align);
+  const int64_t nch = (elems + h.chunk - 1) / h.chunk;
+  h.blocks = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(blocks), static_cast<int64_t>(grid - 1), nch}));
+  h.slot = AlignUp(static_cast<size_t>(elems * esize), 4096);
+  if (const char* e = std::getenv("JAX_BLINK_HOST_LOADS")) h.cv = std::strcmp(e, "cg") != 0;
+  h.wc = EnvBytes("JAX_BLINK_HOST_WC", 1) != 0;
+  return h;
+}
+
 // The communicator's one-shot staging: per rank 2 * (n-1) inbox slots of `region` bytes (sized
 // for the default limits) and their chunk flags, within min(1% of the smallest device's memory,
 // 256 MiB); halved until it fits (region 0: one-shot off on this communicator).
@@ -1196,7 +1321,43 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   const int G = comm->blocks;
   const int ntrees = prog.ntrees();
 
-  // Pieces: U = m * G units (m rounds per block) of at most the program's chunk, no smaller than
+  // The segments as this executor runs them: the program's, unless the host channel takes the
+  // operand's tail (Mode::kHybrid); then the trees' segments are scaled into what is left,
+  // [0, total - host.elems), keeping their order and proportions.
+  std::vector<int64_t> seg_off(ntrees), seg_len(ntrees);
+  for (int t = 0; t < ntrees; ++t) { seg_off[t] = prog.tree(t).seg_offset; seg_len[t] = prog.tree(t).seg_len; }
+  // An all-reduce: the trees with elements all reduce and broadcast and cover the operand.
+  bool allreduce = n >= 2;
+  {
+    int64_t at = 0;
+    bool any = false;
+    for (int t : prog.trees_by_offset()) {
+      if (seg_len[t] == 0) continue;
+      any = true;
+      allreduce = allreduce && seg_off[t] == at && prog.tree(t).phases == (kPhaseReduce | kPhaseBroadcast);
+      at = seg_off[t] + seg_len[t];
+    }
+    allreduce = allreduce && any && at == prog.total_elems();
+  }
+  const HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
+  const int64_t nv_total = prog.total_elems() - host.elems;
+  if (host.elems > 0) {
+    const int64_t al = std::max(1, 16 / esize);
+    std::vector<int> order;
+    for (int t : prog.trees_by_offset())
+      if (seg_len[t] > 0) order.push_back(t);
+    std::vector<int64_t> lo(order.size() + 1, nv_total);
+    for (size_t i = 0; i < order.size(); ++i)
+      lo[i] = i == 0 ? 0
+                     : static_cast<int64_t>(static_cast<__int128>(seg_off[order[i]]) * nv_total / prog.total_elems()) / al * al;
+    for (size_t i = 0; i < order.size(); ++i) {
+      seg_off[order[i]] = lo[i];
+      seg_len[order[i]] = std::max<int64_t>(0, lo[i + 1] - lo[i]);
+    }
+  }
+  const int Gu = G - host.blocks;  // blocks that play the trees' units
+
+  // Pieces: U = m * Gu units (m rounds per block) of at most the program's chunk, no smaller than
   // min_piece_bytes, each tree a share proportional to its segment, interleaved across trees.
   const int64_t align = std::max(1, 16 / esize);
   const int64_t min_piece = std::max<int64_t>(16, opt.min_piece_bytes);
@@ -1204,19 +1365,19 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   std::vector<int> live;
   int64_t total_seg = 0;
   for (int t = 0; t < ntrees; ++t)
-    if (prog.tree(t).seg_len > 0) { live.push_back(t); total_seg += prog.tree(t).seg_len; }
+    if (seg_len[t] > 0) { live.push_back(t); total_seg += seg_len[t]; }
   std::vector<int64_t> pieces(ntrees, 0);
   if (!live.empty()) {
     const int64_t bytes = total_seg * esize;
-    const int64_t m = (bytes + static_cast<int64_t>(G) * piece_max - 1) / (static_cast<int64_t>(G) * piece_max);
-    int64_t U = std::min<int64_t>(m * G, (bytes + min_piece - 1) / min_piece);
+    const int64_t m = (bytes + static_cast<int64_t>(Gu) * piece_max - 1) / (static_cast<int64_t>(Gu) * piece_max);
+    int64_t U = std::min<int64_t>(m * Gu, (bytes + min_piece - 1) / min_piece);
     U = std::min<int64_t>(std::max<int64_t>(U, live.size()), kMaxUnits);
     // Largest remainders, every live tree >= 1 piece, no tree more pieces than aligned atoms.
     int64_t given = 0;
     std::vector<std::pair<double, int>> rem;
     for (int t : live) {
-      const double ideal = static_cast<double>(U) * prog.tree(t).seg_len / total_seg;
-      const int64_t atoms = (prog.tree(t).seg_len + align - 1) / align;
+      const double ideal = static_cast<double>(U) * seg_len[t] / total_seg;
+      const int64_t atoms = (seg_len[t] + align - 1) / align;
       pieces[t] = std::min<int64_t>(atoms, std::max<int64_t>(1, static_cast<int64_t>(ideal)));
       given += pieces[t];
       rem.push_back({ideal - static_cast<double>(pieces[t]), t});
@@ -1224,7 +1385,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     std::sort(rem.begin(), rem.end(), [](auto& a, auto& b) { return a.first > b.first; });
     for (size_t i = 0; given < U && i < rem.size(); ++i) {
       const int t = rem[i].second;
-      if (pieces[t] < (prog.tree(t).seg_len + align - 1) / align) { ++pieces[t]; ++given; }
+      if (pieces[t] < (seg_len[t] + align - 1) / align) { ++pieces[t]; ++given; }
     }
   }
   std::vector<Unit> units;
@@ -1233,22 +1394,21 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   for (int64_t i = 0; i < max_pieces; ++i)
     for (int t : live) {
       if (i >= pieces[t]) continue;
-      const TreeView& tv = prog.tree(t);
-      const int64_t atoms = (tv.seg_len + align - 1) / align;
-      const int64_t lo = std::min(tv.seg_len, i * atoms / pieces[t] * align);
-      const int64_t hi = std::min(tv.seg_len, (i + 1) * atoms / pieces[t] * align);
-      if (hi > lo) units.push_back(Unit{tv.seg_offset + lo, static_cast<int32_t>(hi - lo), t});
+      const int64_t atoms = (seg_len[t] + align - 1) / align;
+      const int64_t lo = std::min(seg_len[t], i * atoms / pieces[t] * align);
+      const int64_t hi = std::min(seg_len[t], (i + 1) * atoms / pieces[t] * align);
+      if (hi > lo) units.push_back(Unit{seg_off[t] + lo, static_cast<int32_t>(hi - lo), t});
     }
   const int U = static_cast<int>(units.size());
   std::vector<int64_t> gaps;
   {
     int64_t at = 0;
     for (int t : prog.trees_by_offset()) {
-      const TreeView& tv = prog.tree(t);
-      if (tv.seg_offset > at) { gaps.push_back(at); gaps.push_back(tv.seg_offset - at); }
-      at = tv.seg_offset + tv.seg_len;
+      if (seg_len[t] == 0) continue;  // an empty segment says nothing about coverage
+      if (seg_off[t] > at) { gaps.push_back(at); gaps.push_back(seg_off[t] - at); }
+      at = seg_off[t] + seg_len[t];
     }
-    if (prog.total_elems() > at) { gaps.push_back(at); gaps.push_back(prog.total_elems() - at); }
+    if (nv_total > at) { gaps.push_back(at); gaps.push_back(nv_total - at); }
   }
 
   // Layout (the same on every rank).
@@ -1261,6 +1421,8 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   base.off_ptr_in = take(8u * 2 * n, 16);
   base.off_ptr_out = take(8u * 2 * n, 16);
   base.off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
+  const int64_t host_chunks = host.elems > 0 ? (host.elems + host.chunk - 1) / host.chunk : 0;
+  base.off_hflag = take(4ull * 2 * std::max<int64_t>(host_chunks, 1), 128);  // [call parity][chunk]
   const size_t dyn = AlignUp(off, 128);
   off = dyn;
   base.off_units = take(sizeof(Unit) * std::max(U, 1), 16);
@@ -1275,14 +1437,20 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   base.ngaps = static_cast<int32_t>(gaps.size() / 2);
   base.chunk_elems = prog.chunk_elems();
   base.comm_id = comm_id;
-  base.grid = std::max(1, std::min(G, U));
+  base.grid = std::max(1, std::min(Gu, U));
+  if (host.elems > 0) {
+    base.host_off = nv_total;
+    base.host_elems = host.elems;
+    base.host_chunk = host.chunk;
+    base.host_slot = host.slot;
+    base.host_blocks = host.blocks;
+    base.host_cv = host.cv ? 1 : 0;
+  }
 
-  // One-shot instead of the trees: an all-reduce (every live tree reduces and broadcasts, no
-  // gaps) within the limits and the communicator's staging.
-  Mode mode = Mode::kTree;
-  {
-    bool allreduce = n >= 2 && !live.empty() && gaps.empty();
-    for (int t : live) allreduce = allreduce && prog.tree(t).phases == (kPhaseReduce | kPhaseBroadcast);
+  // The host channel beside the trees (decided above), or one-shot instead of the trees: an
+  // all-reduce within the limits and the communicator's staging.
+  Mode mode = host.elems > 0 ? Mode::kHybrid : Mode::kTree;
+  if (mode == Mode::kTree) {
     const int64_t payload = prog.total_elems() * esize;
     const int64_t ll_max = opt.ll_max_bytes >= 0 ? opt.ll_max_bytes : DefaultLLMax();
     const int64_t os_max = n == 2 ? (opt.oneshot_max_bytes >= 0 ? opt.oneshot_max_bytes : DefaultOneShotMax(n)) : 0;
@@ -1321,11 +1489,25 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   }
 
   std::vector<uint8_t*> mem(n, nullptr);
-  auto free_all = [&] { for (int r = 0; r < n; ++r) if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); } };
+  std::vector<void*> hbuf(n, nullptr), hdev(n, nullptr);
+  auto free_all = [&] {
+    for (int r = 0; r < n; ++r) {
+      if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); }
+      if (hbuf[r]) cudaFreeHost(hbuf[r]);
+    }
+  };
   for (int r = 0; r < n; ++r) {
     cudaSetDevice(devices[r]);
     cudaError_t e = cudaMalloc(&mem[r], bytes);
     if (e != cudaSuccess) { free_all(); return CudaErr("cudaMalloc (site state)", e); }
+    if (mode == Mode::kHybrid) {
+      // Pinned, mapped into every device (portable), write-combined: no CPU ever reads it, and
+      // the GPUs' PCIe reads of it need not snoop the CPU caches.
+      e = cudaHostAlloc(&hbuf[r], 2 * host.slot,
+                        cudaHostAllocPortable | cudaHostAllocMapped | (host.wc ? cudaHostAllocWriteCombined : 0u));
+      if (e == cudaSuccess) e = cudaHostGetDevicePointer(&hdev[r], hbuf[r], 0);
+      if (e != cudaSuccess) { free_all(); return CudaErr("cudaHostAlloc (host channel outbox)", e); }
+    }
   }
   // Per-rank plan, host side, then copied once.
   std::vector<std::vector<uint8_t>> plans(n);
@@ -1339,7 +1521,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     for (int t = 0; t < ntrees; ++t) {
       const TreeView& tv = prog.tree(t);
       TreeRank& tr = trs[t];
-      tr.seg_offset = tv.seg_offset;
+      tr.seg_offset = seg_off[t];
       tr.parent = tv.parent[r];
       tr.phases = tv.phases;
       tr.kid_begin = static_cast<int32_t>(kid_list.size());
@@ -1388,7 +1570,13 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     s->params.dev_claim = ds->claim;
     s->params.rec = ds->rec_dev;
     s->mode = mode;
-    if (mode != Mode::kTree) s->params.stg = comm->stg[r];
+    if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
+    if (mode == Mode::kHybrid) {
+      s->host_buf = hbuf[r];
+      s->host_bytes = 2 * host.slot;
+      s->params.host_mine = static_cast<uint8_t*>(hdev[r]);
+      s->params.host_peer = static_cast<const uint8_t*>(hdev[1 - r]);
+    }
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
     g_sites.push_back(std::move(s));
@@ -1399,9 +1587,10 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
 std::string Describe(const ErrorRecord& r) {
   static const char* kAt[] = {"waiting for its buffer pointers", "reduce", "broadcast",
                               "exit: waiting for it to finish reading this rank's buffers",
-                              "one-shot: waiting for its data in the inbox"};
-  const char* at = (r.phase >= 0 && r.phase < 5) ? kAt[r.phase] : "?";
-  std::string where = r.phase == kAtOneShot
+                              "one-shot: waiting for its data in the inbox",
+                              "host channel: waiting for its chunk in pinned host memory"};
+  const char* at = (r.phase >= 0 && r.phase < 6) ? kAt[r.phase] : "?";
+  std::string where = (r.phase == kAtOneShot || r.phase == kAtHost)
                           ? std::string(at) + " (element " + std::to_string(r.elem_offset) + ")"
                           : "tree " + std::to_string(r.tree) + ", chunk " + std::to_string(r.chunk) + " (element " +
                                 std::to_string(r.elem_offset) + ", " + at + ")";
@@ -1463,7 +1652,7 @@ Site* FindSite(int64_t comm_id, int device) {
 }
 
 std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const int32_t* program,
-                     int64_t len, int esize, int64_t timeout_ms, Site** site) {
+                     int64_t len, int esize, int64_t timeout_ms, const Options& opt, Site** site) {
   auto who = [&] {
     return "jax_blink CUDA executor: rank " + std::to_string(rank) + " (GPU " + std::to_string(device) +
            ", group " + std::to_string(group) + ") of collective " + std::to_string(comm_id) + ": ";
@@ -1496,7 +1685,6 @@ std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const
   ++pd->joined;
   if (pd->joined == pd->nranks) {
     std::vector<Site*> sites;
-    Options opt;
     pd->error = CreateSiteLocked(pd->devices, pd->words.data(), static_cast<int64_t>(pd->words.size()), esize,
                                  opt, comm_id, &sites);
     if (pd->error.empty()) {
@@ -1530,12 +1718,15 @@ int64_t SiteTotalElems(const Site* s) { return s->total; }
 int64_t SiteUnits(const Site* s) { return s->units; }
 int SiteGrid(const Site* s) { return s->grid; }
 Mode SiteMode(const Site* s) { return s->mode; }
+int64_t SiteHostElems(const Site* s) { return s->params.host_elems; }
+int SiteHostBlocks(const Site* s) { return s->params.host_blocks; }
 
 const char* ModeName(Mode m) {
   switch (m) {
     case Mode::kTree: return "tree";
     case Mode::kLL: return "ll";
     case Mode::kOneShot: return "oneshot";
+    case Mode::kHybrid: return "hybrid";
   }
   return "?";
 }
@@ -1563,7 +1754,8 @@ std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, 
   cudaGetDevice(&cur);
   if (cur != s->device) cudaSetDevice(s->device);
   void* args[] = {&p};
-  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid), dim3(kThreads), args, 0, stream);
+  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid + p.host_blocks), dim3(kThreads), args,
+                                   0, stream);
   if (e != cudaSuccess) return CudaErr("launching the collective kernel", e);
   return {};
 }
@@ -1623,7 +1815,11 @@ void ReleaseAll() {
   DeviceGuard guard;
   for (int d = 0; d < kMaxDevices; ++d)
     if (g_dev[d].load()) { cudaSetDevice(d); cudaDeviceSynchronize(); }
-  for (auto& s : g_sites) { cudaSetDevice(s->device); cudaFree(s->mem); }
+  for (auto& s : g_sites) {
+    cudaSetDevice(s->device);
+    cudaFree(s->mem);
+    if (s->host_buf) cudaFreeHost(s->host_buf);
+  }
   for (auto& [key, c] : g_comms)
     for (size_t r = 0; r < c->stg.size(); ++r)
       if (c->stg[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->stg[r]); }
@@ -1649,12 +1845,14 @@ std::vector<CommInfo> Comms() {
     info.devices = c->devices;
     info.blocks = c->blocks;
     info.num_sites = static_cast<int>(c->sites.size());
-    std::map<int, int64_t> per_dev;
+    std::map<int, int64_t> per_dev, host_per_dev;
     for (Site* s : c->sites) {
       per_dev[s->device] += static_cast<int64_t>(s->mem_bytes);
+      host_per_dev[s->device] += static_cast<int64_t>(s->host_bytes);
       ++info.sites_by_mode[static_cast<int>(s->mode)];
     }
     for (auto& [d, b] : per_dev) info.control_bytes = std::max(info.control_bytes, b);
+    for (auto& [d, b] : host_per_dev) info.host_bytes = std::max(info.host_bytes, b);
     info.staging_bytes = static_cast<int64_t>(c->stg_bytes);
     out.push_back(info);
   }
@@ -1662,9 +1860,9 @@ std::vector<CommInfo> Comms() {
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.3.0 (program format v1; one-shot all-reduce through a staging inbox "
+  return "jax_blink CUDA executor 0.4.0 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
-         "in-place reads elsewhere)";
+         "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink)";
 }
 
 }  // namespace jax_blink::cuda

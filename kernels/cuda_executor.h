@@ -37,12 +37,31 @@ struct Options {
   // one-shot site, within min(1% of device memory, 256 MiB)).
   int64_t ll_max_bytes = -1;
   int64_t oneshot_max_bytes = -1;
+  // Blink's hybrid transfer (Mode::kHybrid): a 2-rank all-reduce site of at least host_min_bytes
+  // (-1: JAX_BLINK_HOST_MIN_BYTES, else kDefaultHostMinBytes) sends the last `host_share` of its
+  // elements GPU -> pinned host memory -> GPU, beside the trees over NVLink, through host_blocks
+  // blocks of the same kernel (-1: JAX_BLINK_HOST_BLOCKS, else kDefaultHostBlocks) in chunks of
+  // host_chunk_bytes (-1: JAX_BLINK_HOST_CHUNK_BYTES, else kDefaultHostChunkBytes). The share
+  // comes from the plan (the host link's rate against the trees'); JAX_BLINK_HOST_SHARE, when
+  // set, overrides it; 0: off. The host slice is at most host_max_bytes per rank (-1:
+  // JAX_BLINK_HOST_MAX_BYTES, else kDefaultHostMaxBytes; two parity slots of it are pinned).
+  double host_share = 0.0;
+  int64_t host_min_bytes = -1;
+  int host_blocks = -1;
+  int64_t host_chunk_bytes = -1;
+  int64_t host_max_bytes = -1;
 };
 constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chunked one-shot up to 512 KiB (2 x H200)
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
+constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the host channel from 256 MiB
+constexpr int kDefaultHostBlocks = 16;
+constexpr int64_t kDefaultHostChunkBytes = 2 << 20;
+constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
 
-// How a site runs (SiteMode): the tree kernel, or one of the one-shot kernels.
-enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2 };
+// How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel
+// with a host-channel slice beside it (hybrid).
+enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2, kHybrid = 3 };
+constexpr int kNumModes = 4;
 const char* ModeName(Mode m);
 
 // One call site's state for one rank: opaque. Lives until Release().
@@ -58,8 +77,10 @@ std::string CreateSite(const std::vector<int>& devices, const int32_t* program, 
 // FFI path: rank `rank` on `device` joins call site (comm_id, group); blocks on the host until
 // every rank of the program has joined (or `timeout_ms` passed), then all share one Site set.
 // Later calls find the site with FindSite without any rendezvous.
+// `opt` is taken from the rank that completes the group (every rank passes the same: it comes
+// from the same lowered call).
 std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const int32_t* program,
-                     int64_t len, int esize, int64_t timeout_ms, Site** site);
+                     int64_t len, int esize, int64_t timeout_ms, const Options& opt, Site** site);
 Site* FindSite(int64_t comm_id, int device);  // nullptr when this device has not joined yet
 
 // What a call must match (the handler checks these on its fast path).
@@ -93,8 +114,9 @@ struct CommInfo {
   int blocks = 0;
   int64_t staging_bytes = 0;  // per rank: the one-shot inbox (0 until a one-shot site exists)
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
+  int64_t host_bytes = 0;     // pinned host memory of its hybrid sites, per rank
   int num_sites = 0;
-  int sites_by_mode[3] = {0, 0, 0};  // indexed by Mode: tree, ll, oneshot
+  int sites_by_mode[kNumModes] = {0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid
 };
 std::vector<CommInfo> Comms();
 
@@ -102,6 +124,8 @@ std::vector<CommInfo> Comms();
 int64_t SiteUnits(const Site* s);
 int SiteGrid(const Site* s);
 Mode SiteMode(const Site* s);
+int64_t SiteHostElems(const Site* s);  // elements of the host-channel slice (0 unless hybrid)
+int SiteHostBlocks(const Site* s);     // blocks that drive it
 
 const char* Version();
 

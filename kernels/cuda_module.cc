@@ -87,7 +87,7 @@ void Remember(int64_t comm_id, int device, uint64_t gen, jbc::Site* s) {
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
-                   bool graph_handler) {
+                   float host_share, bool graph_handler) {
   auto where = [&] {  // error messages only
     return "jax_blink (GPU " + std::to_string(device) + ", collective " + std::to_string(comm_id) + "): ";
   };
@@ -129,9 +129,11 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
       if (e != cudaSuccess)
         return ffi::Error(ffi::ErrorCode::kInternal,
                           where() + "reading rank and group: " + cudaGetErrorString(e));
+      jbc::Options opt;
+      opt.host_share = host_share;
       std::string err = jbc::JoinSite(comm_id, host[1], host[0], device, program.begin(),
                                       static_cast<int64_t>(program.size()), static_cast<int>(ffi::ByteWidth(dt)),
-                                      timeout_ms, &site);
+                                      timeout_ms, opt, &site);
       if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
     }
     Remember(comm_id, device, gen, site);
@@ -153,21 +155,23 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
 
 ffi::Error ExecuteDefault(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                           ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
-  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, false);
+                          ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
+                          float host_share) {
+  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, host_share, false);
 }
 
 ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                         ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
-  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, true);
+                        ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
+                        float host_share) {
+  return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, host_share, true);
 }
 
 // The measuring stick: the same binding, no work (the caller aliases the result to x). What a
 // chain of these costs per call is XLA's own price for an FFI custom call (benchmarks/
 // xla_call_overhead.py), to set against our handler plus its kernel launch.
 ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                ffi::Result<ffi::AnyBuffer>, ffi::Span<const int32_t>, int32_t, int64_t, int64_t) {
+                ffi::Result<ffi::AnyBuffer>, ffi::Span<const int32_t>, int32_t, int64_t, int64_t, float) {
   return ffi::Error::Success();
 }
 
@@ -184,7 +188,8 @@ ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ff
       .Attr<xla::ffi::Span<const int32_t>>("program")      \
       .Attr<int32_t>("op")                                 \
       .Attr<int64_t>("comm_id")                            \
-      .Attr<int64_t>("timeout_ms")
+      .Attr<int64_t>("timeout_ms")                         \
+      .Attr<float>("host_share")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
@@ -248,9 +253,10 @@ NB_MODULE(_blink_cuda, m) {
           d["blocks"] = c.blocks;
           d["staging_bytes"] = c.staging_bytes;
           d["control_bytes"] = c.control_bytes;
+          d["host_bytes"] = c.host_bytes;
           d["num_sites"] = c.num_sites;
           nb::dict modes;
-          for (int m = 0; m < 3; ++m) modes[jbc::ModeName(static_cast<jbc::Mode>(m))] = c.sites_by_mode[m];
+          for (int m = 0; m < jbc::kNumModes; ++m) modes[jbc::ModeName(static_cast<jbc::Mode>(m))] = c.sites_by_mode[m];
           d["sites_by_mode"] = modes;
           out.append(d);
         }
@@ -258,7 +264,8 @@ NB_MODULE(_blink_cuda, m) {
       },
       "One dict per communicator (ordered device set): devices, blocks, staging_bytes (the one-shot inbox "
       "per rank), control_bytes (flags, pointer tables and plans of its call sites, on its largest device), "
-      "num_sites, sites_by_mode ({'tree', 'll', 'oneshot'} -> how many of its sites run each kernel).");
+      "host_bytes (pinned host memory of its hybrid sites' outboxes, per rank), num_sites, sites_by_mode "
+      "({'tree', 'll', 'oneshot', 'hybrid'} -> how many of its sites run each kernel).");
 
   m.def(
       "release",

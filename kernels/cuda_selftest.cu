@@ -16,9 +16,10 @@
 //              events over back-to-back launches (stream) and over a captured CUDA graph of calls
 //              (graph, up to 16 MiB), algbw = bytes/time, busbw = algbw * 2(n-1)/n = algbw.
 //              Options: --dtype f32|bf16, --chunk BYTES (program chunk, default 512 KiB),
-//              --min/--max BYTES (sizes, default 1 KiB .. 1 GiB), --mode auto|tree|ll|oneshot
+//              --min/--max BYTES (sizes, default 1 KiB .. 1 GiB), --mode auto|tree|ll|oneshot|hybrid
 //              (the kernel: auto takes the executor's limits; a forced mode that does not fit the
-//              staging runs the trees, and the table's mode column says so).
+//              staging runs the trees, and the table's mode column says so); hybrid: --host-share F
+//              (default 0.099), --host-blocks H, --host-chunk BYTES (the host column: share/blocks).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -260,10 +261,28 @@ void SyncAll(const std::vector<Rank>& ranks) {
 
 std::string AnyDeviceError() { return cuda::CheckAll(); }
 
+// Inputs and poison are written with cudaMemcpy / cudaMemset on the legacy stream, which the
+// ranks' non-blocking streams do not wait for: finish them before the first launch.
+void Settle(const std::vector<Rank>& ranks) {
+  for (const Rank& r : ranks) {
+    CK(cudaSetDevice(r.device));
+    CK(cudaDeviceSynchronize());
+  }
+}
+
 // Options that make an all-reduce site run in `mode` (the limits allow it; the staging decides).
+// kHybrid: the host channel at any size, with the share / chunk already in `opt` or 30% in
+// chunks of 16 KiB (so that small tests still have several chunks per host block).
 void ForceMode(cuda::Options* opt, Mode mode) {
   opt->ll_max_bytes = mode == Mode::kLL ? int64_t{1} << 40 : 0;
   opt->oneshot_max_bytes = mode == Mode::kOneShot ? int64_t{1} << 40 : 0;
+  if (mode == Mode::kHybrid) {
+    opt->host_min_bytes = 0;
+    if (!(opt->host_share > 0)) opt->host_share = 0.3;
+    if (opt->host_chunk_bytes <= 0) opt->host_chunk_bytes = 16 << 10;
+  } else {
+    opt->host_share = 0;
+  }
 }
 
 // Set-up of a site that must run in `mode`: "" or what went wrong.
@@ -294,6 +313,8 @@ struct Case {
   bool reverse_launch = false;
   uint64_t alias_ranks = 0;  // these ranks only: in == out (the others not)
   Mode mode = Mode::kTree;   // the kernel the site must run (the case fails if it does not)
+  double host_share = 0;     // kHybrid: 0 = ForceMode's default
+  int host_blocks = -1;
   bool Aliased(int r) const { return alias || ((alias_ranks >> r) & 1u); }
 };
 
@@ -314,6 +335,8 @@ bool RunCase(const Case& c) {
   cuda::Options opt;
   opt.blocks = BlocksFor(c.devices, c.blocks);
   opt.min_piece_bytes = c.min_piece;
+  opt.host_share = c.host_share;
+  opt.host_blocks = c.host_blocks;
   std::vector<cuda::Site*> sites;
   std::string err = MakeSites(c.devices, prog, es, opt, c.mode, &sites);
   if (!err.empty()) { Report(false, c.name, "set-up: " + err); return false; }
@@ -337,6 +360,7 @@ bool RunCase(const Case& c) {
     if (c.Aliased(r)) { CK(cudaFree(ranks[r].out)); ranks[r].out = ranks[r].in; }
     else CK(cudaMemset(ranks[r].out, 0xFF, bytes));  // NaN / -1 poison
   }
+  Settle(ranks);
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) {
     const int r = c.reverse_launch ? n - 1 - i : i;
@@ -387,10 +411,11 @@ bool RunCase(const Case& c) {
   for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); if (r.out) CK(cudaFree(r.out)); r.out = nullptr; }
   for (Rank& r : ranks) { CK(cudaFree(r.in)); CK(cudaStreamDestroy(r.stream)); }
   char detail[256];
-  std::snprintf(detail, sizeof detail, "%s, %d ranks, %lld elems, %lld units, grid %d, %.1f ms%s%s",
+  std::snprintf(detail, sizeof detail, "%s, %d ranks, %lld elems (%lld by host), %lld units, grid %d+%d, %.1f ms%s%s",
                 cuda::ModeName(c.mode), n, static_cast<long long>(c.total),
-                static_cast<long long>(cuda::SiteUnits(sites[0])), cuda::SiteGrid(sites[0]), ms, wrong ? "; " : "",
-                first.c_str());
+                static_cast<long long>(cuda::SiteHostElems(sites[0])),
+                static_cast<long long>(cuda::SiteUnits(sites[0])), cuda::SiteGrid(sites[0]),
+                cuda::SiteHostBlocks(sites[0]), ms, wrong ? "; " : "", first.c_str());
   std::string d = detail;
   if (wrong) d += " (" + std::to_string(wrong) + " wrong)";
   if (differ) d += "; ranks not bitwise identical in " + std::to_string(differ) + " (tree, rank) pairs";
@@ -428,6 +453,7 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
     CK(cudaMemcpy(ranks[r].in, h[r].data(), bytes, cudaMemcpyHostToDevice));
     CK(cudaMemset(ranks[r].out, 0xFF, bytes));
   }
+  Settle(ranks);
   float ms = 0;
   int done_calls = 0;
   std::vector<uint8_t*> cur(n);  // where each rank's current value is (stream mode)
@@ -520,6 +546,7 @@ bool RunInterleaved(const std::string& name, const std::vector<int>& devices, in
   if (n == 2) all.push_back({300001, Mode::kOneShot});
   all.push_back({5, Mode::kLL});
   if (n == 2) all.push_back({4096, Mode::kOneShot});
+  if (n == 2) all.push_back({200003, Mode::kHybrid});
   cuda::Options opt;
   opt.blocks = BlocksFor(devices, 0);
   opt.min_piece_bytes = 1024;
@@ -537,6 +564,7 @@ bool RunInterleaved(const std::string& name, const std::vector<int>& devices, in
       CK(cudaMemcpy(o.ranks[r].in, h.data(), o.total * 4, cudaMemcpyHostToDevice));
       CK(cudaMemset(o.ranks[r].out, 0xFF, o.total * 4));
     }
+    Settle(o.ranks);
   }
   // Every site's calls go on one stream per rank (the first site's), in the same order everywhere.
   std::string err;
@@ -616,9 +644,10 @@ bool RunSkipped(const std::string& name, const std::vector<int>& devices, int sk
   std::vector<cuda::Site*> sites;
   std::string err = MakeSites(devices, prog, 4, opt, mode, &sites);
   if (!err.empty()) { Report(false, name, err); return false; }
-  const char* where_word = mode == Mode::kTree ? "chunk" : "one-shot";
+  const char* where_word = (mode == Mode::kTree || mode == Mode::kHybrid) ? "chunk" : "one-shot";
   std::vector<Rank> ranks = MakeRanks(devices, total * 4);
   for (Rank& r : ranks) { CK(cudaSetDevice(r.device)); CK(cudaMemset(r.in, 0, total * 4)); }
+  Settle(ranks);
   bool ok = true;
   std::string detail;
   // Call 1: everyone (must work).
@@ -799,6 +828,21 @@ std::vector<Case> OneGpuCases(bool quick) {
   cs.back().reverse_launch = true;
   cs.push_back({"1gpu 2r oneshot one element", same(2), DType::kF64, 1, 1, 1, {{0, 3, 0, 1, StarParents(2, 0)}}});
   cs.back().mode = Mode::kOneShot;
+  // Host channel (Blink's hybrid transfer) beside the trees, ranks as streams of one GPU.
+  for (DType d : {DType::kF32, DType::kBF16, DType::kS64})
+    for (int op = 0; op < 3; ++op) {
+      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({"1gpu 2r hybrid " + dn, same(2), d, op, 300001, 1 << 14, SplitStars(2, 300001, Esize(d))});
+      cs.back().mode = Mode::kHybrid;
+    }
+  cs.push_back({"1gpu 2r hybrid f32 real in==out, 3 trees", same(2), DType::kF32, 0, 250007, 4096,
+                {{0, 3, 0, 100000, StarParents(2, 0)}, {1, 3, 100000, 100000, StarParents(2, 1)},
+                 {0, 3, 200000, 50007, StarParents(2, 0)}}, true, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.push_back({"1gpu 2r hybrid all through the host (share 1)", same(2), DType::kF32, 0, 100003, 4096,
+                SplitStars(2, 100003, 4)});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_share = 1.0;
   return cs;
 }
 
@@ -843,13 +887,33 @@ std::vector<Case> TwoGpuCases(bool quick) {
       cs.push_back({"2gpu oneshot " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
       cs.back().mode = Mode::kOneShot;
     }
-  cs.push_back({"2gpu oneshot f32 real 16 MiB", dev, DType::kF32, 0, 4 << 20, 512 << 10, SplitStars(2, 4 << 20, 4),
-                false, true});
+  cs.push_back({"2gpu oneshot f32 real 8 MiB (the default limit)", dev, DType::kF32, 0, 2 << 20, 512 << 10,
+                SplitStars(2, 2 << 20, 4), false, true});
   cs.back().mode = Mode::kOneShot;
   cs.push_back({"2gpu ll bf16 real 256 KiB rank 1 in==out", dev, DType::kBF16, 0, 1 << 17, 1 << 15,
                 SplitStars(2, 1 << 17, 2), false, true});
   cs.back().mode = Mode::kLL;
   cs.back().alias_ranks = 2;
+  // Host channel beside NVLink.
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({"2gpu hybrid " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
+      cs.back().mode = Mode::kHybrid;
+    }
+  cs.push_back({"2gpu hybrid f32 real 64 MiB, share 0.1", dev, DType::kF32, 0, 16 << 20, 512 << 10,
+                SplitStars(2, 16 << 20, 4), false, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_share = 0.1;
+  cs.push_back({"2gpu hybrid bf16 real, rank 0 in==out", dev, DType::kBF16, 0, (1 << 20) + 7, 1 << 16,
+                SplitStars(2, (1 << 20) + 7, 2), false, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().alias_ranks = 1;
+  cs.push_back({"2gpu hybrid all through the host (share 1), 2 host blocks", dev, DType::kF32, 0, 1 << 20, 1 << 16,
+                SplitStars(2, 1 << 20, 4), false, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_share = 1.0;
+  cs.back().host_blocks = 2;
   return cs;
 }
 
@@ -860,8 +924,14 @@ int Bench(int argc, char** argv, int ngpu) {
   DType dtype = DType::kF32;
   int64_t chunk_bytes = 512 << 10, max_bytes = int64_t{1} << 30, min_bytes = 1024;
   std::string mode_arg = "auto";
+  double host_share = 0.099;  // treegen.hybrid_share on 2 x H200 (40 GB/s beside 364)
+  int host_blocks = -1;
+  int64_t host_chunk = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "--host-share" && i + 1 < argc) host_share = std::atof(argv[++i]);
+    else if (a == "--host-blocks" && i + 1 < argc) host_blocks = std::atoi(argv[++i]);
+    else if (a == "--host-chunk" && i + 1 < argc) host_chunk = ParseBytes(argv[++i]);
     if (a == "--dtype" && i + 1 < argc) dtype = std::string(argv[++i]) == "bf16" ? DType::kBF16 : DType::kF32;
     else if (a == "--chunk" && i + 1 < argc) chunk_bytes = ParseBytes(argv[++i]);
     else if (a == "--max" && i + 1 < argc) max_bytes = ParseBytes(argv[++i]);
@@ -875,8 +945,8 @@ int Bench(int argc, char** argv, int ngpu) {
   std::printf("# jax_blink CUDA executor bench: %s, %s, 2 ranks on %s, one-hop star trees (rank r roots half r), "
               "program chunk %lld B\n", prop.name, cuda::DTypeName(dtype),
               ngpu >= 2 ? "GPUs 0,1" : "2 streams of GPU 0", static_cast<long long>(chunk_bytes));
-  std::printf("%12s %12s %8s %7s %8s %12s %12s %12s %12s %7s\n", "bytes", "elems", "mode", "units", "calls",
-              "stream_us", "graph_us", "algbw_GB/s", "busbw_GB/s", "#wrong");
+  std::printf("%12s %12s %8s %7s %10s %8s %12s %12s %12s %12s %7s\n", "bytes", "elems", "mode", "units", "host",
+              "calls", "stream_us", "graph_us", "algbw_GB/s", "busbw_GB/s", "#wrong");
   std::vector<Rank> ranks = MakeRanks(devices, max_bytes);
   // in_r[i] = (i % 7) + r: the sum 2 (i % 7) + 1 is exact in every float type.
   {
@@ -891,6 +961,7 @@ int Bench(int argc, char** argv, int ngpu) {
         CK(cudaMemcpy(ranks[r].in + off, h.data(), std::min<int64_t>(h.size(), max_bytes - off), cudaMemcpyHostToDevice));
     }
   }
+  Settle(ranks);
   std::vector<cudaEvent_t> ev0(n), ev1(n);
   for (int r = 0; r < n; ++r) {
     CK(cudaSetDevice(devices[r]));
@@ -917,6 +988,12 @@ int Bench(int argc, char** argv, int ngpu) {
     if (mode_arg == "tree") ForceMode(&opt, Mode::kTree);
     else if (mode_arg == "ll") ForceMode(&opt, Mode::kLL);
     else if (mode_arg == "oneshot") ForceMode(&opt, Mode::kOneShot);
+    else if (mode_arg == "hybrid") {
+      opt.host_share = host_share;
+      opt.host_blocks = host_blocks;
+      opt.host_chunk_bytes = host_chunk > 0 ? host_chunk : cuda::kDefaultHostChunkBytes;
+      ForceMode(&opt, Mode::kHybrid);
+    }
     std::vector<cuda::Site*> sites;
     std::string err = cuda::CreateSite(devices, prog.data(), static_cast<int64_t>(prog.size()), es, opt, ++g_comm_id, &sites);
     if (!err.empty()) { std::printf("set-up failed: %s\n", err.c_str()); return 1; }
@@ -962,9 +1039,13 @@ int Bench(int argc, char** argv, int ngpu) {
     }
     const double best = gus > 0 ? std::min(us, gus) : us;
     const double algbw = bytes / (best * 1e3);
-    std::printf("%12lld %12lld %8s %7lld %8d %12.2f %12s %12.2f %12.2f %7lld\n", static_cast<long long>(bytes),
+    char hostcol[32] = "-";
+    if (cuda::SiteHostElems(sites[0]) > 0)
+      std::snprintf(hostcol, sizeof hostcol, "%.1f%%/%d", 100.0 * cuda::SiteHostElems(sites[0]) / elems,
+                    cuda::SiteHostBlocks(sites[0]));
+    std::printf("%12lld %12lld %8s %7lld %10s %8d %12.2f %12s %12.2f %12.2f %7lld\n", static_cast<long long>(bytes),
                 static_cast<long long>(elems), cuda::ModeName(cuda::SiteMode(sites[0])),
-                static_cast<long long>(cuda::SiteUnits(sites[0])), calls, us,
+                static_cast<long long>(cuda::SiteUnits(sites[0])), hostcol, calls, us,
                 gus > 0 ? std::to_string(gus).substr(0, std::to_string(gus).find('.') + 3).c_str() : "-", algbw,
                 algbw * 2.0 * (n - 1) / n, static_cast<long long>(wrong));
     std::fflush(stdout);
@@ -1008,6 +1089,10 @@ int main(int argc, char** argv) {
       RunInterleaved("1gpu 3r ll/tree sites in turns (CUDA graph)", {0, 0, 0}, 300, true);
       RunSkipped("1gpu 3r ll: rank 1 skips a call -> time-out record", {0, 0, 0}, 1, Mode::kLL);
       RunSkipped("1gpu 2r oneshot: rank 0 skips a call -> time-out record", {0, 0}, 0, Mode::kOneShot);
+      RunChained("1gpu 2r 999 chained calls s32 hybrid, rank 0 in place every 3rd", {0, 0}, 1 << 18, 999, false, true,
+                 Mode::kHybrid);
+      RunChained("1gpu 2r 1000 chained calls s32 hybrid (CUDA graph)", {0, 0}, 1 << 18, 1000, true, false, Mode::kHybrid);
+      RunSkipped("1gpu 2r hybrid: rank 1 skips a call -> time-out record", {0, 0}, 1, Mode::kHybrid);
     }
   }
   if (ngpu >= 2) {
@@ -1028,6 +1113,10 @@ int main(int argc, char** argv) {
       RunInterleaved("2gpu ll/tree/oneshot sites in turns (CUDA graph)", {0, 1}, 500, true);
       RunSkipped("2gpu ll: rank 1 skips a call -> time-out record", {0, 1}, 1, Mode::kLL);
       RunSkipped("2gpu oneshot: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kOneShot);
+      RunChained("2gpu 999 chained calls 4 MiB hybrid, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true,
+                 Mode::kHybrid);
+      RunChained("2gpu 1000 chained calls 4 MiB hybrid (CUDA graph)", {0, 1}, 1 << 20, 1000, true, false, Mode::kHybrid);
+      RunSkipped("2gpu hybrid: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kHybrid);
     }
   } else {
     std::printf("# only one GPU: the 2-GPU tests are skipped\n");

@@ -55,7 +55,7 @@ constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chu
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the host channel from 256 MiB
 constexpr int kDefaultHostBlocks = 16;
-constexpr int64_t kDefaultHostChunkBytes = 2 << 20;
+constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)
 constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel

@@ -62,12 +62,12 @@ PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.93
 
 #: Of a GPU's PCIe link rate, what one GPU moves to another through pinned host memory per
 #: direction, both directions at once, as the CUDA executor's host channel does it (SM stores
-#: into pinned memory, SM loads from it): 26 GB/s measured on the 2 x H200 machine
-#: (benchmarks/results/hybrid-sweep-nvidia-h200-x2-2026-11-22.txt) against gen5 x16's 63
-#: nominal. Copy engines reach 40 there (DESIGN.md, "the second channel"); the executor does not
+#: into pinned memory, SM loads from it; 16 blocks, 512 KiB chunks): 28 GB/s measured on the
+#: 2 x H200 machine (benchmarks/results/hybrid-sweep-nvidia-h200-x2-2026-11-22*.txt) against
+#: gen5 x16's 63 nominal. Copy engines reach 40 there (DESIGN.md, "the second channel"); the executor does not
 #: use them (its flags, time budget and failure path live in the kernel). Used by
 #: :func:`host_path_gbps`, hence by the hybrid share of a plan.
-HOST_PATH_EFFICIENCY = 26.0 / (16 * 3.938)
+HOST_PATH_EFFICIENCY = 28.0 / (16 * 3.938)
 
 #: Of the nominal NVLink rate, what SM-driven peer writes reach: 364 GB/s per direction with both
 #: directions busy, measured on 2 x H200 (NV18), against 18 links x 26.6 GB/s nominal.

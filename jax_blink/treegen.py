@@ -976,7 +976,7 @@ def hybrid_share(plan: Plan) -> tuple[float, float]:
     the plan's rate is nominal, SM-driven peer writes reach less of it), and
     ``fraction = host / (nv + host)`` is the share of the elements to send through the host so
     that both channels, each at the rate it actually reaches, finish together (2 x H200, NV18,
-    gen5 x16: 26 / (364 + 26) = 0.067).
+    gen5 x16: 28 / (364 + 28) = 0.071).
 
     ``(0.0, 0.0)`` for other collectives, other device counts, unknown host links, or two devices
     not linked by NVLink alone (kind ``"nvlink"`` or ``"switch"`` in both directions): where the

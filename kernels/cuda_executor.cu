@@ -79,8 +79,9 @@
 // the rest over NVLink: PCIe and NVLink are separate links, so the two add up. The tree kernel
 // gets H more blocks (taken from the grid, so residency is unchanged) that do only this: each
 // copies its chunks of `in` into its rank's outbox (pinned, write-combined, mapped into both
-// GPUs), release-flags them in the peer's site block, then reads the peer's chunks from the
-// peer's outbox and reduces (see host_channel). The trees' segments are scaled into the rest of
+// GPUs; one per communicator and rank, shared by its hybrid sites, two slots by the parity of the
+// communicator's hybrid call count), release-flags them in the peer's control block, then reads
+// the peer's chunks from the peer's outbox and reduces (see host_channel). The trees' segments are scaled into the rest of
 // the operand. SM-driven rather than copy engines: the flags, the time budget and the failure
 // path stay those of the kernel, there is no host-side sequencing, and a captured call replays.
 //
@@ -229,14 +230,17 @@ struct Params {
   int64_t os_elems;    // the operand's elements
   int64_t os_chunk;    // kOneShot: elements per chunk
   // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
-  // host_elems) through pinned host memory (2 ranks): this rank's outbox and the peer's, each two
-  // parity slots of host_slot bytes (device pointers of mapped memory); chunk flags [2][nchunks]
-  // u32 at off_hflag in the site block (written by the peer).
+  // host_elems) through pinned host memory (2 ranks). The communicator's host channel: this
+  // rank's outbox and the peer's, each two parity slots of host_slot bytes (device pointers of
+  // mapped memory), and per rank a control block in device memory: call counters [hctl_blocks]
+  // u32, then chunk flags [2][host_max_chunks] u32 (written by the peer).
   uint8_t* host_mine;
   const uint8_t* host_peer;
-  int64_t host_off, host_elems, host_chunk;
+  uint32_t* hctl_mine;
+  uint32_t* hctl_peer;
+  int64_t host_off, host_elems, host_chunk, host_max_chunks;
   uint64_t host_slot;
-  uint32_t off_hflag;
+  int32_t hctl_blocks;
   int32_t host_blocks;
   int32_t host_cv;  // 1: read the peer's outbox with ld.global.cv (default), 0: ld.global.cg
 };
@@ -479,12 +483,12 @@ __device__ void fail_call(const Params& p, Shared& sh, int kind, int peer, int t
   __threadfence_system();
 }
 
-// Thread 0: wait until `flag` == k. Returns false (after fail_call) when the call must stop.
-__device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int src, int tree,
-                         int64_t elem_off, int at) {
+// Thread 0: wait until `flag` == target. Returns false (after fail_call) when the call must stop.
+__device__ bool wait_for_value(const Params& p, Shared& sh, const uint32_t* flag, uint32_t target, int src,
+                               int tree, int64_t elem_off, int at) {
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
   uint32_t observed = 0;
-  int st = sync::wait_flag(flag, sh.k, sh.deadline, abort_word, p.dev_claim, &observed);
+  int st = sync::wait_flag(flag, target, sh.deadline, abort_word, p.dev_claim, &observed);
   // A producer that gave up may have published this flag (or its pointers) before it did: its
   // buffers are not to be trusted once its kernel has left. Checked after every wait (local).
   if (st == sync::kWaitOk && sync::ld_relaxed_sys(abort_word) != 0u) st = sync::kWaitAborted;
@@ -498,6 +502,12 @@ __device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int 
   else if (st == sync::kWaitAborted) { kind = kErrAborted; observed = sync::ld_relaxed_sys(abort_word); }
   fail_call(p, sh, kind, src, tree, elem_off, at, observed);  // kWaitStopped: kind 0
   return false;
+}
+
+// Thread 0: wait until `flag` == this call's number k.
+__device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int src, int tree, int64_t elem_off,
+                         int at) {
+  return wait_for_value(p, sh, flag, sh.k, src, tree, elem_off, at);
 }
 
 // Thread 0: make `src`'s pointers of this call available in sh.pin / sh.pout. Two slots per
@@ -521,36 +531,42 @@ __device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int
 }
 
 // Mode::kHybrid, host block hb of H (2 ranks): chunks hb, hb + H, ... of the slice [host_off,
-// host_off + host_elems). Send chunk c: copy this rank's `in` into its own outbox (pinned host
-// memory, slot k & 1), then st.release.sys the chunk's flag in the peer's site block (over
-// NVLink; the release orders the block's PCIe writes before it). Receive chunk c: wait for the
-// peer's flag here, then out = rank 0's op rank 1's (rank order: both ranks round alike), reading
-// the peer's outbox with ld.global.cv. A block sends c + H before it waits for c, so that both
-// directions of the PCIe links stay busy. Two outbox slots suffice for the reason the one-shot
-// inbox's do (see the header): this rank overwrites slot k & 1 in call k + 2 only after its call
-// k + 1 received the peer's call-(k + 1) chunks, sent after the peer's call k had finished.
+// host_off + host_elems). The host channel belongs to the communicator (one outbox per rank for
+// all its hybrid sites), and so does its call number kh: the number of hybrid calls on this
+// communicator so far, kept per block in the control block and moved in lockstep (block 0 also
+// moves the counters of the blocks this site does not use). Send chunk c: copy this rank's `in`
+// into its outbox (pinned host memory, slot kh & 1), then st.release.sys kh into the chunk's flag
+// in the peer's control block (over NVLink; the release orders the block's PCIe writes before
+// it). Receive chunk c: wait for the peer's flag here, then out = rank 0's op rank 1's (rank
+// order: both ranks round alike), reading the peer's outbox with ld.global.cv. A block sends
+// c + H before it waits for c, so that both directions of the PCIe links stay busy. Two slots
+// suffice for the reason the one-shot inbox's do (see the header): this rank overwrites slot
+// kh & 1 in hybrid call kh + 2 only after its call kh + 1 received the peer's chunks of that
+// call, which the peer sends only after its call kh (the last reader of the slot) finished; by
+// the same argument a flag is never overwritten before its waiter has seen it.
 template <class E, class Op>
 __device__ void host_channel(const Params& p, Shared& sh, int hb) {
   using S = typename E::S;
   const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
-  const int par = static_cast<int>(sh.k & 1u);
+  const uint32_t kh = p.hctl_mine[hb] + 1;  // read by every thread (the same value): local, stream-ordered
+  const int par = static_cast<int>(kh & 1u);
   const int64_t C = p.host_chunk, total = p.host_elems;
   const int64_t nch = (total + C - 1) / C;
   const S* in = static_cast<const S*>(p.in) + p.host_off;
   S* out = static_cast<S*>(p.out) + p.host_off;
   S* mine = reinterpret_cast<S*>(p.host_mine + par * p.host_slot);
   const S* theirs = reinterpret_cast<const S*>(p.host_peer + par * p.host_slot);
-  const uint32_t* flag_here = reinterpret_cast<const uint32_t*>(p.site + p.off_hflag) + par * nch;
-  uint32_t* flag_there = reinterpret_cast<uint32_t*>(sh.peer_base[peer] + p.off_hflag) + par * nch;
+  const uint32_t* flag_here = p.hctl_mine + p.hctl_blocks + par * p.host_max_chunks;
+  uint32_t* flag_there = p.hctl_peer + p.hctl_blocks + par * p.host_max_chunks;
   auto send = [&](int64_t c) {
     const int64_t lo = c * C, len = min(C, total - lo);
     copy_range<S, false>(mine + lo, in + lo, len);
     __syncthreads();  // every thread's stores before the release
-    if (tid == 0) sync::st_release_sys(flag_there + c, sh.k);
+    if (tid == 0) sync::st_release_sys(flag_there + c, kh);
   };
   auto receive = [&](int64_t c) {
     const int64_t lo = c * C, len = min(C, total - lo);
-    if (tid == 0) wait_for(p, sh, flag_here + c, peer, -1, p.host_off + lo, kAtHost);
+    if (tid == 0) wait_for_value(p, sh, flag_here + c, kh, peer, -1, p.host_off + lo, kAtHost);
     __syncthreads();
     if (sh.fail) return false;
     const S* first = me == 0 ? in + lo : theirs + lo;
@@ -563,7 +579,13 @@ __device__ void host_channel(const Params& p, Shared& sh, int hb) {
   if (c < nch) send(c);
   for (; c < nch; c += H) {
     if (c + H < nch) send(c + H);
-    if (!receive(c)) return;
+    if (!receive(c)) break;
+  }
+  __syncthreads();  // every thread has read kh
+  if (tid == 0) {  // the next hybrid call on this stream sees it (stream order), failed or not
+    p.hctl_mine[hb] = kh;
+    if (hb == 0)
+      for (int j = H; j < p.hctl_blocks; ++j) p.hctl_mine[j] = kh;
   }
 }
 
@@ -1076,6 +1098,14 @@ struct Comm {
   size_t stg_bytes = 0, stg_dyn = 0;  // [stg_dyn, stg_bytes): counters, flags, data (zeroed by reset)
   uint64_t off_seq = 0, off_flags = 0, off_data = 0, region = 0;  // region 0: no one-shot on this comm
   int64_t max_chunks = 0;
+  // Host channel (Mode::kHybrid), made at the first hybrid site: per rank an outbox in pinned host
+  // memory (two slots of host_slot bytes) and a control block in device memory (Params::hctl_*).
+  bool host_made = false;
+  std::vector<void*> host_buf, host_dev;
+  std::vector<uint32_t*> hctl;
+  uint64_t host_slot = 0;
+  int64_t host_max_chunks = 0;
+  size_t hctl_bytes = 0;
 };
 
 }  // namespace
@@ -1090,8 +1120,6 @@ struct Site {
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
-  void* host_buf = nullptr;             // kHybrid: this rank's outbox (pinned, two parity slots)
-  size_t host_bytes = 0;
 };
 
 namespace {
@@ -1218,7 +1246,7 @@ struct HostSlice {
   int64_t elems = 0;   // the operand's last `elems` elements take the host channel (0: none)
   int64_t chunk = 0;   // elements per chunk (the unit of flags)
   int blocks = 0;      // blocks of the kernel that drive it
-  uint64_t slot = 0;   // bytes of one outbox slot
+  int64_t max_bytes = 0;  // the outbox slot this wants (the communicator's is made once)
   bool cv = true;      // JAX_BLINK_HOST_LOADS=cg: the peer's outbox through ld.global.cg (measuring)
   bool wc = true;      // JAX_BLINK_HOST_WC=0: outboxes not write-combined (measuring)
 };
@@ -1248,7 +1276,7 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   h.chunk = std::max<int64_t>(align, std::max<int64_t>(chunk_bytes, 4096) / esize / align * align);
   const int64_t nch = (elems + h.chunk - 1) / h.chunk;
   h.blocks = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(blocks), static_cast<int64_t>(grid - 1), nch}));
-  h.slot = AlignUp(static_cast<size_t>(elems * esize), 4096);
+  h.max_bytes = max_bytes;
   if (const char* e = std::getenv("JAX_BLINK_HOST_LOADS")) h.cv = std::strcmp(e, "cg") != 0;
   h.wc = EnvBytes("JAX_BLINK_HOST_WC", 1) != 0;
   return h;
@@ -1303,6 +1331,47 @@ std::string EnsureStagingLocked(Comm* c) {
   return {};
 }
 
+// The communicator's host channel (2 ranks): per rank an outbox of two slots of host_max_bytes
+// in pinned, portable, mapped, write-combined host memory (no CPU reads it, and the GPUs' PCIe
+// accesses need not snoop the CPU caches), and a zeroed control block in device memory (call
+// counters for the grid, flags for the smallest chunk, 4 KiB). Host memory, so outside the
+// device staging budget; reported by Comms().
+std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combined) {
+  if (c->host_made) return {};
+  const int n = static_cast<int>(c->devices.size());
+  if (n != 2) return "jax_blink CUDA executor: internal: the host channel needs 2 ranks";
+  DeviceGuard guard;
+  c->host_slot = AlignUp(static_cast<size_t>(std::max<int64_t>(max_bytes, 4096)), 4096);
+  c->host_max_chunks = static_cast<int64_t>(c->host_slot / 4096) + 1;
+  c->hctl_bytes = AlignUp(4ull * c->blocks, 128) + 4ull * 2 * c->host_max_chunks;
+  c->host_buf.assign(n, nullptr);
+  c->host_dev.assign(n, nullptr);
+  c->hctl.assign(n, nullptr);
+  auto undo = [&] {
+    for (int r = 0; r < n; ++r) {
+      if (c->host_buf[r]) cudaFreeHost(c->host_buf[r]);
+      if (c->hctl[r]) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
+    }
+    c->host_buf.clear();
+    c->host_dev.clear();
+    c->hctl.clear();
+  };
+  for (int r = 0; r < n; ++r) {
+    DeviceState* ds = g_dev[c->devices[r]].load();
+    cudaError_t e = cudaSetDevice(c->devices[r]);
+    if (e == cudaSuccess)
+      e = cudaHostAlloc(&c->host_buf[r], 2 * c->host_slot,
+                        cudaHostAllocPortable | cudaHostAllocMapped | (write_combined ? cudaHostAllocWriteCombined : 0u));
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&c->host_dev[r], c->host_buf[r], 0);
+    if (e == cudaSuccess) e = cudaMalloc(&c->hctl[r], c->hctl_bytes);
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->hctl[r], 0, c->hctl_bytes, ds->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(ds->stream);
+    if (e != cudaSuccess) { undo(); return CudaErr("setting up the host channel (pinned outbox, control block)", e); }
+  }
+  c->host_made = true;
+  return {};
+}
+
 std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
                              const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
   Program prog;
@@ -1339,7 +1408,15 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     }
     allreduce = allreduce && any && at == prog.total_elems();
   }
-  const HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
+  HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
+  if (host.elems > 0) {  // the communicator's outbox bounds the slice (its size is fixed at its first hybrid site)
+    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.wc);
+    if (!herr.empty()) return herr;
+    host.elems = std::min<int64_t>(host.elems, static_cast<int64_t>(comm->host_slot) / esize / std::max(1, 16 / esize) *
+                                                   std::max(1, 16 / esize));
+    if (host.elems <= 0) host = HostSlice{};
+    host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
+  }
   const int64_t nv_total = prog.total_elems() - host.elems;
   if (host.elems > 0) {
     const int64_t al = std::max(1, 16 / esize);
@@ -1421,8 +1498,6 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   base.off_ptr_in = take(8u * 2 * n, 16);
   base.off_ptr_out = take(8u * 2 * n, 16);
   base.off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
-  const int64_t host_chunks = host.elems > 0 ? (host.elems + host.chunk - 1) / host.chunk : 0;
-  base.off_hflag = take(4ull * 2 * std::max<int64_t>(host_chunks, 1), 128);  // [call parity][chunk]
   const size_t dyn = AlignUp(off, 128);
   off = dyn;
   base.off_units = take(sizeof(Unit) * std::max(U, 1), 16);
@@ -1442,7 +1517,9 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     base.host_off = nv_total;
     base.host_elems = host.elems;
     base.host_chunk = host.chunk;
-    base.host_slot = host.slot;
+    base.host_slot = comm->host_slot;
+    base.host_max_chunks = comm->host_max_chunks;
+    base.hctl_blocks = G;
     base.host_blocks = host.blocks;
     base.host_cv = host.cv ? 1 : 0;
   }
@@ -1489,25 +1566,11 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   }
 
   std::vector<uint8_t*> mem(n, nullptr);
-  std::vector<void*> hbuf(n, nullptr), hdev(n, nullptr);
-  auto free_all = [&] {
-    for (int r = 0; r < n; ++r) {
-      if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); }
-      if (hbuf[r]) cudaFreeHost(hbuf[r]);
-    }
-  };
+  auto free_all = [&] { for (int r = 0; r < n; ++r) if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); } };
   for (int r = 0; r < n; ++r) {
     cudaSetDevice(devices[r]);
     cudaError_t e = cudaMalloc(&mem[r], bytes);
     if (e != cudaSuccess) { free_all(); return CudaErr("cudaMalloc (site state)", e); }
-    if (mode == Mode::kHybrid) {
-      // Pinned, mapped into every device (portable), write-combined: no CPU ever reads it, and
-      // the GPUs' PCIe reads of it need not snoop the CPU caches.
-      e = cudaHostAlloc(&hbuf[r], 2 * host.slot,
-                        cudaHostAllocPortable | cudaHostAllocMapped | (host.wc ? cudaHostAllocWriteCombined : 0u));
-      if (e == cudaSuccess) e = cudaHostGetDevicePointer(&hdev[r], hbuf[r], 0);
-      if (e != cudaSuccess) { free_all(); return CudaErr("cudaHostAlloc (host channel outbox)", e); }
-    }
   }
   // Per-rank plan, host side, then copied once.
   std::vector<std::vector<uint8_t>> plans(n);
@@ -1572,10 +1635,10 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     s->mode = mode;
     if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
     if (mode == Mode::kHybrid) {
-      s->host_buf = hbuf[r];
-      s->host_bytes = 2 * host.slot;
-      s->params.host_mine = static_cast<uint8_t*>(hdev[r]);
-      s->params.host_peer = static_cast<const uint8_t*>(hdev[1 - r]);
+      s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
+      s->params.host_peer = static_cast<const uint8_t*>(comm->host_dev[1 - r]);
+      s->params.hctl_mine = comm->hctl[r];
+      s->params.hctl_peer = comm->hctl[1 - r];
     }
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
@@ -1598,12 +1661,13 @@ std::string Describe(const ErrorRecord& r) {
                     " of " + std::to_string(r.nranks) + ", collective " + std::to_string(r.comm_id) +
                     ", call #" + std::to_string(r.seq) + ": ";
   std::string what;
+  const std::string flag_at = r.phase == kAtHost ? "host-channel call #" : "call #";  // the communicator's hybrid calls
   if (r.kind == kErrTimeout)
     what = "timed out after " + std::to_string(r.timeout_ms) + " ms waiting for rank " + std::to_string(r.peer) +
-           " in " + where + "; its flag is at call #" + std::to_string(r.observed) +
+           " in " + where + "; its flag is at " + flag_at + std::to_string(r.observed) +
            ". A rank did not join this collective (skipped under lax.cond?) or a peer is stuck.";
   else if (r.kind == kErrAhead)
-    what = "rank " + std::to_string(r.peer) + " is already at call #" + std::to_string(r.observed) +
+    what = "rank " + std::to_string(r.peer) + " is already at " + flag_at + std::to_string(r.observed) +
            " in " + where + ": the ranks ran different numbers of calls of this collective.";
   else if (r.kind == kErrAborted)
     what = "rank " + std::to_string(r.peer) + " gave up (at its call #" + std::to_string(r.observed) +
@@ -1800,6 +1864,12 @@ std::string ResetAll() {
         JB_TRY("cudaMemsetAsync (reset staging)",
                cudaMemsetAsync(c->stg[r] + c->stg_dyn, 0, c->stg_bytes - c->stg_dyn, ds->stream));
       }
+  for (auto& [key, c] : g_comms)
+    for (size_t r = 0; r < c->hctl.size(); ++r) {
+      DeviceState* ds = g_dev[c->devices[r]].load();
+      JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
+      JB_TRY("cudaMemsetAsync (reset host channel)", cudaMemsetAsync(c->hctl[r], 0, c->hctl_bytes, ds->stream));
+    }
   for (int d = 0; d < kMaxDevices; ++d)
     if (DeviceState* ds = g_dev[d].load()) {
       JB_TRY("cudaSetDevice", cudaSetDevice(d));
@@ -1815,14 +1885,15 @@ void ReleaseAll() {
   DeviceGuard guard;
   for (int d = 0; d < kMaxDevices; ++d)
     if (g_dev[d].load()) { cudaSetDevice(d); cudaDeviceSynchronize(); }
-  for (auto& s : g_sites) {
-    cudaSetDevice(s->device);
-    cudaFree(s->mem);
-    if (s->host_buf) cudaFreeHost(s->host_buf);
-  }
-  for (auto& [key, c] : g_comms)
+  for (auto& s : g_sites) { cudaSetDevice(s->device); cudaFree(s->mem); }
+  for (auto& [key, c] : g_comms) {
     for (size_t r = 0; r < c->stg.size(); ++r)
       if (c->stg[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->stg[r]); }
+    for (size_t r = 0; r < c->hctl.size(); ++r) {
+      if (c->hctl[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
+      if (c->host_buf[r] != nullptr) cudaFreeHost(c->host_buf[r]);
+    }
+  }
   g_sites.clear();
   g_site_by_dev.clear();
   g_pending.clear();
@@ -1845,14 +1916,14 @@ std::vector<CommInfo> Comms() {
     info.devices = c->devices;
     info.blocks = c->blocks;
     info.num_sites = static_cast<int>(c->sites.size());
-    std::map<int, int64_t> per_dev, host_per_dev;
+    std::map<int, int64_t> per_dev;
     for (Site* s : c->sites) {
       per_dev[s->device] += static_cast<int64_t>(s->mem_bytes);
-      host_per_dev[s->device] += static_cast<int64_t>(s->host_bytes);
       ++info.sites_by_mode[static_cast<int>(s->mode)];
     }
     for (auto& [d, b] : per_dev) info.control_bytes = std::max(info.control_bytes, b);
-    for (auto& [d, b] : host_per_dev) info.host_bytes = std::max(info.host_bytes, b);
+    info.host_bytes = c->host_made ? static_cast<int64_t>(2 * c->host_slot) : 0;
+    if (c->host_made) info.control_bytes += static_cast<int64_t>(c->hctl_bytes);
     info.staging_bytes = static_cast<int64_t>(c->stg_bytes);
     out.push_back(info);
   }

@@ -44,7 +44,8 @@ struct Options {
   // host_chunk_bytes (-1: JAX_BLINK_HOST_CHUNK_BYTES, else kDefaultHostChunkBytes). The share
   // comes from the plan (the host link's rate against the trees'); JAX_BLINK_HOST_SHARE, when
   // set, overrides it; 0: off. The host slice is at most host_max_bytes per rank (-1:
-  // JAX_BLINK_HOST_MAX_BYTES, else kDefaultHostMaxBytes; two parity slots of it are pinned).
+  // JAX_BLINK_HOST_MAX_BYTES, else kDefaultHostMaxBytes): the communicator's outbox, two slots
+  // of it in pinned host memory per rank, made at its first hybrid site and shared by all.
   double host_share = 0.0;
   int64_t host_min_bytes = -1;
   int host_blocks = -1;
@@ -114,7 +115,7 @@ struct CommInfo {
   int blocks = 0;
   int64_t staging_bytes = 0;  // per rank: the one-shot inbox (0 until a one-shot site exists)
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
-  int64_t host_bytes = 0;     // pinned host memory of its hybrid sites, per rank
+  int64_t host_bytes = 0;     // pinned host memory of its host channel (the outbox), per rank
   int num_sites = 0;
   int sites_by_mode[kNumModes] = {0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid
 };

@@ -19,7 +19,7 @@
 //              --min/--max BYTES (sizes, default 1 KiB .. 1 GiB), --mode auto|tree|ll|oneshot|hybrid
 //              (the kernel: auto takes the executor's limits; a forced mode that does not fit the
 //              staging runs the trees, and the table's mode column says so); hybrid: --host-share F
-//              (default 0.099), --host-blocks H, --host-chunk BYTES (the host column: share/blocks).
+//              (default 0.071), --host-blocks H, --host-chunk BYTES (the host column: share/blocks).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -538,22 +538,28 @@ bool RunChained(const std::string& name, const std::vector<int>& devices, int64_
 bool RunInterleaved(const std::string& name, const std::vector<int>& devices, int rounds, bool graph) {
   if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
-  struct One { int64_t total; Mode mode; std::vector<cuda::Site*> sites; std::vector<Rank> ranks;
-               std::vector<uint32_t> sum; };
+  struct One { int64_t total; Mode mode; double share = 0; int host_blocks = -1; std::vector<cuda::Site*> sites;
+               std::vector<Rank> ranks; std::vector<uint32_t> sum; };
   std::vector<One> all;
   all.push_back({1001, Mode::kLL});
   all.push_back({20000, Mode::kTree});
   if (n == 2) all.push_back({300001, Mode::kOneShot});
   all.push_back({5, Mode::kLL});
   if (n == 2) all.push_back({4096, Mode::kOneShot});
-  if (n == 2) all.push_back({200003, Mode::kHybrid});
+  // Two hybrid sites with different shares and host block counts share the communicator's host
+  // channel: its call counters must stay in lockstep across them.
+  if (n == 2) all.push_back({200003, Mode::kHybrid, 0.3, 4});
+  if (n == 2) all.push_back({150001, Mode::kHybrid, 0.6, 7});
   cuda::Options opt;
   opt.blocks = BlocksFor(devices, 0);
   opt.min_piece_bytes = 1024;
   std::mt19937 rng(11);
   for (One& o : all) {
     std::vector<int32_t> prog = MakeProgram(n, 2048, o.total, SplitStars(n, o.total, 4));
-    std::string err = MakeSites(devices, prog, 4, opt, o.mode, &o.sites);
+    cuda::Options one = opt;
+    one.host_share = o.share;
+    one.host_blocks = o.host_blocks;
+    std::string err = MakeSites(devices, prog, 4, one, o.mode, &o.sites);
     if (!err.empty()) { Report(false, name, err); return false; }
     o.ranks = MakeRanks(devices, o.total * 4);
     o.sum.assign(o.total, 0);
@@ -857,6 +863,9 @@ std::vector<Case> TwoGpuCases(bool quick) {
   cs.push_back({"2gpu oneshot bf16 sum 1 MiB + 2 B", dev, DType::kBF16, 0, (1 << 19) + 1, 1 << 16,
                 SplitStars(2, (1 << 19) + 1, 2)});
   cs.back().mode = Mode::kOneShot;
+  cs.push_back({"2gpu hybrid f32 sum real 1 MiB + 12 B", dev, DType::kF32, 0, (1 << 18) + 3, 1 << 16,
+                SplitStars(2, (1 << 18) + 3, 4), false, true});
+  cs.back().mode = Mode::kHybrid;
   if (quick) return cs;
   const DType all[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32, DType::kS64};
   for (DType d : all)
@@ -924,7 +933,7 @@ int Bench(int argc, char** argv, int ngpu) {
   DType dtype = DType::kF32;
   int64_t chunk_bytes = 512 << 10, max_bytes = int64_t{1} << 30, min_bytes = 1024;
   std::string mode_arg = "auto";
-  double host_share = 0.099;  // treegen.hybrid_share on 2 x H200 (40 GB/s beside 364)
+  double host_share = 0.071;  // treegen.hybrid_share on 2 x H200 (28 GB/s beside 364)
   int host_blocks = -1;
   int64_t host_chunk = -1;
   for (int i = 1; i < argc; ++i) {
@@ -1085,7 +1094,7 @@ int main(int argc, char** argv) {
       RunChained("1gpu 2r 999 chained calls s32 oneshot, rank 0 in place every 3rd", {0, 0}, 1 << 18, 999, false, true,
                  Mode::kOneShot);
       RunChained("1gpu 2r 1000 chained calls s32 oneshot (CUDA graph)", {0, 0}, 1 << 18, 1000, true, false, Mode::kOneShot);
-      RunInterleaved("1gpu 2r ll/tree/oneshot sites in turns (stream)", {0, 0}, 300, false);
+      RunInterleaved("1gpu 2r ll/tree/oneshot/hybrid sites in turns (stream)", {0, 0}, 300, false);
       RunInterleaved("1gpu 3r ll/tree sites in turns (CUDA graph)", {0, 0, 0}, 300, true);
       RunSkipped("1gpu 3r ll: rank 1 skips a call -> time-out record", {0, 0, 0}, 1, Mode::kLL);
       RunSkipped("1gpu 2r oneshot: rank 0 skips a call -> time-out record", {0, 0}, 0, Mode::kOneShot);
@@ -1109,8 +1118,8 @@ int main(int argc, char** argv) {
       RunChained("2gpu 999 chained calls 4 MiB oneshot, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true,
                  Mode::kOneShot);
       RunChained("2gpu 1000 chained calls 4 MiB oneshot (CUDA graph)", {0, 1}, 1 << 20, 1000, true, false, Mode::kOneShot);
-      RunInterleaved("2gpu ll/tree/oneshot sites in turns (stream)", {0, 1}, 500, false);
-      RunInterleaved("2gpu ll/tree/oneshot sites in turns (CUDA graph)", {0, 1}, 500, true);
+      RunInterleaved("2gpu ll/tree/oneshot/hybrid sites in turns (stream)", {0, 1}, 500, false);
+      RunInterleaved("2gpu ll/tree/oneshot/hybrid sites in turns (CUDA graph)", {0, 1}, 500, true);
       RunSkipped("2gpu ll: rank 1 skips a call -> time-out record", {0, 1}, 1, Mode::kLL);
       RunSkipped("2gpu oneshot: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kOneShot);
       RunChained("2gpu 999 chained calls 4 MiB hybrid, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true,

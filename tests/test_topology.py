@@ -359,7 +359,7 @@ def test_host_path_gbps():
     assert topo_mod.host_path_gbps(t, 0, 1) == pytest.approx(31.5 * topo_mod.HOST_PATH_EFFICIENCY)
     assert topo_mod.host_path_gbps(t, 0, 0) == 0.0
     assert topo_mod.host_path_gbps(_pair({0: 63.0}), 0, 1) == 0.0  # device 1's link unknown
-    # gen5 x16 gives the 26 GB/s per direction that the executor's host channel moved on 2 x H200
-    assert topo_mod.host_path_gbps(_pair({0: 3.938 * 16, 1: 3.938 * 16}), 1, 0) == pytest.approx(26.0)
+    # gen5 x16 gives the 28 GB/s per direction that the executor's host channel moved on 2 x H200
+    assert topo_mod.host_path_gbps(_pair({0: 3.938 * 16, 1: 3.938 * 16}), 1, 0) == pytest.approx(28.0)
     with pytest.raises(ValueError, match="device 9"):
         topo_mod.host_path_gbps(t, 0, 9)

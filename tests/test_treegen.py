@@ -274,14 +274,14 @@ def test_hybrid_share_splits_in_proportion_to_the_rates():
     assert share > host / (p.rate + host)
     assert 0 < share < 0.5
 
-    # 2 x H200 (NV18 behind NVSwitch, PCIe gen5 x16): 26 GB/s (the executor's host channel) beside NVLink's measured 364.
+    # 2 x H200 (NV18 behind NVSwitch, PCIe gen5 x16): 28 GB/s (the executor's host channel) beside NVLink's measured 364.
     gen5x16 = 16 * PCIE_LANE_GBPS[5]
     sw = Topology.preset("nvswitch:2")
     h200 = Topology(sw.devices, [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)],
                     "h200", host_links={0: gen5x16, 1: gen5x16})
     host, share = hybrid_share(plan(h200, "allreduce"))
-    assert host == pytest.approx(26.0) and share == pytest.approx(26.0 / (364.0 + 26.0))
-    assert share == pytest.approx(0.0667, abs=5e-4)
+    assert host == pytest.approx(28.0) and share == pytest.approx(28.0 / (364.0 + 28.0))
+    assert share == pytest.approx(0.0714, abs=5e-4)
 
     assert hybrid_share(plan(t, "broadcast", 0)) == (0.0, 0.0)  # all-reduce only
     assert hybrid_share(plan(Topology([0, 1], links, "pair"), "allreduce")) == (0.0, 0.0)  # no host links

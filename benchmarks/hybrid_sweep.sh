@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# Blink's hybrid transfer on 2 GPUs, kernel alone (the CUDA self-test's bench, no XLA):
-#   1. the host channel's own rate per number of host blocks (share 1: all of it through pinned
-#      host memory, 64 MiB);
+# Blink's hybrid transfer on 2 GPUs, kernel alone (the CUDA self-test's bench, no XLA), per host
+# channel engine (ENGINES: sm = the kernel's host blocks move the bytes, ce = copy engines):
+#   1. the host channel's own rate (share 1: all of it through pinned host memory, 64 MiB);
 #   2. NVLink alone (the trees) at 256 MiB and 1 GiB;
-#   3. NVLink + host channel at 1 GiB for each share x host blocks.
+#   3. NVLink + host channel at each size in SIZES for each share x host blocks.
 # Needs the self-test binary (gpu_session.sh step selftest builds /tmp/selftest).
-#   bash benchmarks/hybrid_sweep.sh   (knobs: ST, ALONE_BLOCKS, SHARES, HOST_BLOCKS, SIZES)
+#   bash benchmarks/hybrid_sweep.sh   (knobs: ST, ENGINES, ALONE_BLOCKS, SHARES, CE_SHARES, HOST_BLOCKS, SIZES, KNOBS)
 ST=${ST:-/tmp/selftest}
 rows() { grep -v '^# jax_blink\|^ *bytes ' || true; }
-echo "# host channel alone (share 1, 64 MiB): host column = share/blocks"
-for h in ${ALONE_BLOCKS:-4 8 16 32}; do
-  timeout 60 "$ST" --bench --mode hybrid --host-share 1 --host-blocks "$h" --min 64M --max 64M | rows
-done
 echo "# trees alone (NVLink only)"
 timeout 60 "$ST" --bench --mode tree --min 256M --max 1G | rows
-echo "# trees + host channel"
-for size in ${SIZES:-1G}; do
-  for h in ${HOST_BLOCKS:-8 16}; do
-    for f in ${SHARES:-0.06 0.08 0.10 0.12}; do
-      timeout 60 "$ST" --bench --mode hybrid --host-share "$f" --host-blocks "$h" --min "$size" --max "$size" | rows
+for engine in ${ENGINES:-sm}; do
+  if [ "$engine" = ce ]; then shares=${CE_SHARES:-0.09 0.10 0.11 0.12}; else shares=${SHARES:-0.06 0.071 0.08}; fi
+  echo "# [$engine] host channel alone (share 1, 64 MiB): host column = share/blocks"
+  for h in ${ALONE_BLOCKS:-16}; do
+    timeout 60 "$ST" --bench --mode hybrid --host-engine "$engine" --host-share 1 --host-blocks "$h" --min 64M --max 64M | rows
+  done
+  echo "# [$engine] trees + host channel"
+  for size in ${SIZES:-1G}; do
+    for h in ${HOST_BLOCKS:-16}; do
+      for f in $shares; do
+        timeout 60 "$ST" --bench --mode hybrid --host-engine "$engine" --host-share "$f" --host-blocks "$h" --min "$size" --max "$size" | rows
+      done
     done
   done
 done
-if [ -n "${KNOBS:-}" ]; then  # the host channel's own rate (share 1, 16 blocks) per load / allocation knob
+if [ -n "${KNOBS:-}" ]; then  # the SM host channel's own rate (share 1, 16 blocks) per load / allocation knob
   echo "# host channel alone per knob (JAX_BLINK_HOST_LOADS cv|cg, JAX_BLINK_HOST_WC 1|0, chunk)"
   for loads in cv cg; do for wc in 1 0; do for chunk in 512K 2M 8M; do
     echo "loads=$loads wc=$wc chunk=$chunk"

@@ -137,6 +137,7 @@
 
 #include "cuda_executor.h"
 
+#include <cuda.h>  // stream memory operations (through cudaGetDriverEntryPointByVersion: no -lcuda)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -242,6 +243,16 @@ struct Params {
   uint64_t host_slot;
   int32_t hctl_blocks;
   int32_t host_blocks;
+  // Copy-engine host channel (host_ce): the copies and their flags are enqueued by Launch on side
+  // streams; the host blocks only wait for each landed chunk (landed flags [2][host_max_chunks]
+  // in the control block, after the counters) and reduce it from `stage` (device memory). kh is
+  // the communicator's hybrid call number, counted on the host (so: no graph replay). On failure
+  // they write `ready` (pinned host flags [2][host_max_chunks], what the side stream's copies wait
+  // for) so that no stream waits forever.
+  int32_t host_ce;
+  uint32_t host_kh;
+  const uint8_t* stage;
+  uint32_t* ready_mine;
   int32_t host_cv;  // 1: read the peer's outbox with ld.global.cv (default), 0: ld.global.cg
 };
 
@@ -544,8 +555,42 @@ __device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int
 // kh & 1 in hybrid call kh + 2 only after its call kh + 1 received the peer's chunks of that
 // call, which the peer sends only after its call kh (the last reader of the slot) finished; by
 // the same argument a flag is never overwritten before its waiter has seen it.
+// Copy-engine variant (host_ce): the side streams move the chunks (see Launch); this block waits
+// for each of its chunks to land in `stage` and reduces it. If it stops early it releases the
+// side stream's waits on its chunks (ready flags = kh), so that the call ends, failed, not hung.
+template <class E, class Op>
+__device__ void host_channel_ce(const Params& p, Shared& sh, int hb) {
+  using S = typename E::S;
+  const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
+  const uint32_t kh = p.host_kh;
+  const int par = static_cast<int>(kh & 1u);
+  const int64_t C = p.host_chunk, total = p.host_elems;
+  const int64_t nch = (total + C - 1) / C;
+  const S* in = static_cast<const S*>(p.in) + p.host_off;
+  S* out = static_cast<S*>(p.out) + p.host_off;
+  const S* theirs = reinterpret_cast<const S*>(p.stage);
+  const uint32_t* landed = p.hctl_mine + p.hctl_blocks + par * p.host_max_chunks;
+  int64_t c = hb;
+  for (; c < nch && !sh.fail; c += H) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    if (tid == 0) wait_for_value(p, sh, landed + c, kh, peer, -1, p.host_off + lo, kAtHost);
+    __syncthreads();
+    if (sh.fail) break;
+    const S* first = me == 0 ? in + lo : theirs + lo;
+    const S* second = me == 0 ? theirs + lo : in + lo;
+    combine_range<E, Op, false>(out + lo, first, &second, 1, nullptr, 0, len);
+    __syncthreads();
+  }
+  if (tid == 0 && sh.fail)
+    for (int64_t r = hb; r < nch; r += H) sync::st_release_sys(p.ready_mine + par * p.host_max_chunks + r, kh);
+}
+
 template <class E, class Op>
 __device__ void host_channel(const Params& p, Shared& sh, int hb) {
+  if (p.host_ce) {
+    host_channel_ce<E, Op>(p, sh, hb);
+    return;
+  }
   using S = typename E::S;
   const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
   const uint32_t kh = p.hctl_mine[hb] + 1;  // read by every thread (the same value): local, stream-ordered
@@ -610,6 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
   __syncthreads();
   if (sh.fail) {  // the device is stopped: tell the peers, do nothing, keep the counter
     if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    if (b >= p.grid && p.host_ce) host_channel_ce<E, Op>(p, sh, b - p.grid);  // releases the side stream
     return;
   }
   const S* in = static_cast<const S*>(p.in);
@@ -1106,6 +1152,24 @@ struct Comm {
   uint64_t host_slot = 0;
   int64_t host_max_chunks = 0;
   size_t hctl_bytes = 0;
+  // Copy engines for the host channel (Params::host_ce), made at the first such site: per rank a
+  // landing buffer in device memory, the ready flags in pinned host memory, two side streams
+  // (to host, from host), the events that fork them from and join them to the call's stream, the
+  // communicator's hybrid call count (host side) and a lock around one call's enqueueing.
+  bool ce_made = false;
+  bool host_ce = false;  // the engine of its host channel, fixed by its first hybrid site: sites of
+                         // both kinds would count the slot parity apart
+  uint64_t stage_bytes = 0;
+  struct CopyEngines {
+    uint8_t* stage = nullptr;
+    uint32_t* ready_host = nullptr;  // pinned
+    uint32_t* ready_dev = nullptr;   // its device pointer
+    cudaStream_t to_host = nullptr, from_host = nullptr;
+    cudaEvent_t fork = nullptr, joined_to = nullptr, joined_from = nullptr;
+    uint32_t calls = 0;
+    std::mutex mu;
+  };
+  std::vector<std::unique_ptr<CopyEngines>> ce;
 };
 
 }  // namespace
@@ -1113,6 +1177,7 @@ struct Comm {
 struct Site {
   Comm* comm = nullptr;
   int rank = 0, nranks = 0, device = 0, esize = 0, grid = 1;
+  bool host_ce = false;  // kHybrid through copy engines (Launch enqueues the copies)
   Mode mode = Mode::kTree;
   int64_t total = 0, units = 0;
   std::vector<int32_t> words;
@@ -1247,6 +1312,7 @@ struct HostSlice {
   int64_t chunk = 0;   // elements per chunk (the unit of flags)
   int blocks = 0;      // blocks of the kernel that drive it
   int64_t max_bytes = 0;  // the outbox slot this wants (the communicator's is made once)
+  bool ce = false;     // copy engines move the chunks (JAX_BLINK_HOST_ENGINE=ce), else the SMs
   bool cv = true;      // JAX_BLINK_HOST_LOADS=cg: the peer's outbox through ld.global.cg (measuring)
   bool wc = true;      // JAX_BLINK_HOST_WC=0: outboxes not write-combined (measuring)
 };
@@ -1266,7 +1332,15 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   const int64_t min_bytes = opt.host_min_bytes >= 0 ? opt.host_min_bytes : EnvBytes("JAX_BLINK_HOST_MIN_BYTES", kDefaultHostMinBytes);
   const int64_t max_bytes = opt.host_max_bytes >= 0 ? opt.host_max_bytes : EnvBytes("JAX_BLINK_HOST_MAX_BYTES", kDefaultHostMaxBytes);
   int blocks = opt.host_blocks >= 0 ? opt.host_blocks : static_cast<int>(EnvBytes("JAX_BLINK_HOST_BLOCKS", kDefaultHostBlocks));
-  const int64_t chunk_bytes = opt.host_chunk_bytes > 0 ? opt.host_chunk_bytes : EnvBytes("JAX_BLINK_HOST_CHUNK_BYTES", kDefaultHostChunkBytes);
+  int engine = opt.host_engine;
+  if (engine < 0) {
+    const char* e = std::getenv("JAX_BLINK_HOST_ENGINE");
+    engine = (e != nullptr && *e != 0) ? (std::strcmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
+  }
+  h.ce = engine == 1;
+  const int64_t chunk_bytes = opt.host_chunk_bytes > 0
+                                  ? opt.host_chunk_bytes
+                                  : EnvBytes("JAX_BLINK_HOST_CHUNK_BYTES", h.ce ? kDefaultHostCEChunkBytes : kDefaultHostChunkBytes);
   if (n != 2 || !allreduce || !(share > 0) || payload < std::max<int64_t>(min_bytes, 1) || blocks < 1 || grid < 2) return h;
   const int64_t align = std::max(1, 16 / esize);
   int64_t elems = static_cast<int64_t>(std::min(share, 1.0) * static_cast<double>(total));
@@ -1336,14 +1410,17 @@ std::string EnsureStagingLocked(Comm* c) {
 // accesses need not snoop the CPU caches), and a zeroed control block in device memory (call
 // counters for the grid, flags for the smallest chunk, 4 KiB). Host memory, so outside the
 // device staging budget; reported by Comms().
-std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combined) {
+std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combined, bool copy_engines) {
   if (c->host_made) return {};
+  c->host_ce = copy_engines;
   const int n = static_cast<int>(c->devices.size());
   if (n != 2) return "jax_blink CUDA executor: internal: the host channel needs 2 ranks";
   DeviceGuard guard;
   c->host_slot = AlignUp(static_cast<size_t>(std::max<int64_t>(max_bytes, 4096)), 4096);
   c->host_max_chunks = static_cast<int64_t>(c->host_slot / 4096) + 1;
-  c->hctl_bytes = AlignUp(4ull * c->blocks, 128) + 4ull * 2 * c->host_max_chunks;
+  // counters [blocks], then flags [2][max_chunks] (SM: ready; copy engines: landed), then the
+  // copy engines' sent flags [2][max_chunks]
+  c->hctl_bytes = 4ull * c->blocks + 4ull * 4 * c->host_max_chunks;
   c->host_buf.assign(n, nullptr);
   c->host_dev.assign(n, nullptr);
   c->hctl.assign(n, nullptr);
@@ -1370,6 +1447,94 @@ std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combi
   }
   c->host_made = true;
   return {};
+}
+
+// Stream memory operations (driver API, fetched through the runtime: no link against libcuda).
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+StreamValueFn g_wait_value = nullptr, g_write_value = nullptr;
+
+std::string LoadStreamMemOps() {
+  if (g_wait_value != nullptr && g_write_value != nullptr) return {};
+  cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSymbolNotFound, q2 = cudaDriverEntryPointSymbolNotFound;
+  void* w = nullptr;
+  void* v = nullptr;
+  JB_TRY("cudaGetDriverEntryPointByVersion (cuStreamWaitValue32)",
+         cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &w, 12000, cudaEnableDefault, &q1));
+  JB_TRY("cudaGetDriverEntryPointByVersion (cuStreamWriteValue32)",
+         cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &v, 12000, cudaEnableDefault, &q2));
+  if (q1 != cudaDriverEntryPointSuccess || q2 != cudaDriverEntryPointSuccess || w == nullptr || v == nullptr)
+    return "jax_blink CUDA executor: the driver has no stream memory operations (cuStreamWaitValue32): "
+           "use the SM host channel (JAX_BLINK_HOST_ENGINE=sm)";
+  g_wait_value = reinterpret_cast<StreamValueFn>(w);
+  g_write_value = reinterpret_cast<StreamValueFn>(v);
+  return {};
+}
+
+// The copy engines' share of the host channel (after EnsureHostChannelLocked): per rank a landing
+// buffer of `stage` bytes in device memory (it counts as staging: at most half the staging
+// budget), ready flags in pinned host memory, side streams and events.
+std::string MakeCopyEnginesLocked(Comm* c);
+void FreeCopyEngines(Comm* c);
+
+std::string EnsureCopyEnginesLocked(Comm* c) {
+  if (c->ce_made) return {};
+  std::string err = MakeCopyEnginesLocked(c);
+  if (!err.empty()) FreeCopyEngines(c);
+  return err;
+}
+
+std::string MakeCopyEnginesLocked(Comm* c) {
+  std::string err = LoadStreamMemOps();
+  if (!err.empty()) return err;
+  const int n = static_cast<int>(c->devices.size());
+  DeviceGuard guard;
+  size_t mem_min = SIZE_MAX;
+  for (int d : c->devices) {
+    size_t free_b = 0, total_b = 0;
+    JB_TRY("cudaSetDevice", cudaSetDevice(d));
+    JB_TRY("cudaMemGetInfo", cudaMemGetInfo(&free_b, &total_b));
+    mem_min = std::min(mem_min, total_b);
+  }
+  const uint64_t budget = std::min<uint64_t>(mem_min / 100, uint64_t{256} << 20);
+  c->stage_bytes = std::min<uint64_t>(c->host_slot, budget / 2 / 4096 * 4096);
+  c->ce.clear();
+  for (int r = 0; r < n; ++r) {
+    auto e = std::make_unique<Comm::CopyEngines>();
+    Comm::CopyEngines& x = *e;
+    c->ce.push_back(std::move(e));
+    JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
+    JB_TRY("cudaMalloc (host channel landing buffer)", cudaMalloc(&x.stage, c->stage_bytes));
+    void* h = nullptr;
+    JB_TRY("cudaHostAlloc (host channel ready flags)",
+           cudaHostAlloc(&h, 8ull * c->host_max_chunks, cudaHostAllocPortable | cudaHostAllocMapped));
+    std::memset(h, 0, 8ull * c->host_max_chunks);
+    x.ready_host = static_cast<uint32_t*>(h);
+    void* hd = nullptr;
+    JB_TRY("cudaHostGetDevicePointer", cudaHostGetDevicePointer(&hd, h, 0));
+    x.ready_dev = static_cast<uint32_t*>(hd);
+    JB_TRY("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&x.to_host, cudaStreamNonBlocking));
+    JB_TRY("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&x.from_host, cudaStreamNonBlocking));
+    JB_TRY("cudaEventCreateWithFlags", cudaEventCreateWithFlags(&x.fork, cudaEventDisableTiming));
+    JB_TRY("cudaEventCreateWithFlags", cudaEventCreateWithFlags(&x.joined_to, cudaEventDisableTiming));
+    JB_TRY("cudaEventCreateWithFlags", cudaEventCreateWithFlags(&x.joined_from, cudaEventDisableTiming));
+  }
+  c->ce_made = true;
+  return {};
+}
+
+void FreeCopyEngines(Comm* c) {
+  for (size_t r = 0; r < c->ce.size(); ++r) {
+    Comm::CopyEngines& x = *c->ce[r];
+    cudaSetDevice(c->devices[r]);
+    if (x.stage) cudaFree(x.stage);
+    if (x.ready_host) cudaFreeHost(x.ready_host);
+    if (x.to_host) cudaStreamDestroy(x.to_host);
+    if (x.from_host) cudaStreamDestroy(x.from_host);
+    for (cudaEvent_t ev : {x.fork, x.joined_to, x.joined_from})
+      if (ev) cudaEventDestroy(ev);
+  }
+  c->ce.clear();
+  c->ce_made = false;
 }
 
 std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
@@ -1410,9 +1575,15 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   }
   HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
   if (host.elems > 0) {  // the communicator's outbox bounds the slice (its size is fixed at its first hybrid site)
-    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.wc);
+    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.wc, host.ce);
     if (!herr.empty()) return herr;
-    host.elems = std::min<int64_t>(host.elems, static_cast<int64_t>(comm->host_slot) / esize / std::max(1, 16 / esize) *
+    host.ce = comm->host_ce;
+    if (host.ce) {
+      herr = EnsureCopyEnginesLocked(comm);
+      if (!herr.empty()) return herr;
+    }
+    const uint64_t room = host.ce ? std::min<uint64_t>(comm->host_slot, comm->stage_bytes) : comm->host_slot;
+    host.elems = std::min<int64_t>(host.elems, static_cast<int64_t>(room) / esize / std::max(1, 16 / esize) *
                                                    std::max(1, 16 / esize));
     if (host.elems <= 0) host = HostSlice{};
     host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
@@ -1521,6 +1692,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     base.host_max_chunks = comm->host_max_chunks;
     base.hctl_blocks = G;
     base.host_blocks = host.blocks;
+    base.host_ce = host.ce ? 1 : 0;
     base.host_cv = host.cv ? 1 : 0;
   }
 
@@ -1639,6 +1811,11 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
       s->params.host_peer = static_cast<const uint8_t*>(comm->host_dev[1 - r]);
       s->params.hctl_mine = comm->hctl[r];
       s->params.hctl_peer = comm->hctl[1 - r];
+      s->host_ce = host.ce;
+      if (host.ce) {
+        s->params.stage = comm->ce[r]->stage;
+        s->params.ready_mine = comm->ce[r]->ready_dev;
+      }
     }
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
@@ -1784,6 +1961,7 @@ int SiteGrid(const Site* s) { return s->grid; }
 Mode SiteMode(const Site* s) { return s->mode; }
 int64_t SiteHostElems(const Site* s) { return s->params.host_elems; }
 int SiteHostBlocks(const Site* s) { return s->params.host_blocks; }
+bool SiteHostCopyEngines(const Site* s) { return s->host_ce; }
 
 const char* ModeName(Mode m) {
   switch (m) {
@@ -1803,6 +1981,68 @@ bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len) {
   return true;
 }
 
+// A hybrid call whose host channel runs on copy engines (Params::host_ce): fork two side streams
+// from the call's stream, launch the kernel, enqueue per chunk c
+//   to_host:   copy in[c] -> own outbox (slot kh & 1); write kh into the peer's ready[c] (pinned)
+//   from_host: wait until own ready[c] >= kh; copy the peer's outbox[c] -> stage[c]; write kh into
+//              own landed[c] (the kernel's host blocks wait for it, then reduce)
+// then join both to the call's stream. kh counts the communicator's hybrid calls on this rank
+// (host side: a captured call would replay stale numbers, so capture is refused). With in == out
+// the kernel overwrites in[c]: then from_host also waits for own sent[c] (to_host's copy done).
+// Why two outbox slots suffice: as for the SM channel (host_channel). No wait without a bound:
+// ready[c] is written by the peer's copy or, when this rank's kernel gives up, by its host blocks.
+std::string LaunchWithCopyEngines(Site* s, KernelFn fn, Params& p, cudaStream_t stream) {
+  Comm* c = s->comm;
+  Comm::CopyEngines& x = *c->ce[s->rank];
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  JB_TRY("cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &cs));
+  if (cs != cudaStreamCaptureStatusNone)
+    return "jax_blink CUDA executor: a hybrid all-reduce whose host channel runs on copy engines cannot be captured "
+           "(CUDA graph / command buffer): set JAX_BLINK_HOST_ENGINE=sm (its SM-driven channel replays)";
+  Comm::CopyEngines& peer = *c->ce[1 - s->rank];
+  std::lock_guard<std::mutex> lock(x.mu);
+  const uint32_t kh = ++x.calls;
+  const int par = static_cast<int>(kh & 1u);
+  p.host_kh = kh;
+  const size_t es = static_cast<size_t>(s->esize);
+  const int64_t C = p.host_chunk, total = p.host_elems;
+  const int64_t nch = (total + C - 1) / C;
+  const bool alias = p.in == p.out;
+  const uint8_t* in = static_cast<const uint8_t*>(p.in) + p.host_off * es;
+  uint8_t* mine = static_cast<uint8_t*>(c->host_buf[s->rank]) + par * c->host_slot;
+  const uint8_t* theirs = static_cast<const uint8_t*>(c->host_buf[1 - s->rank]) + par * c->host_slot;
+  const int64_t flag_at = static_cast<int64_t>(par) * c->host_max_chunks;
+  uint32_t* landed = c->hctl[s->rank] + c->blocks + flag_at;  // the control block's layout: EnsureHostChannelLocked
+  uint32_t* sent = landed + 2 * c->host_max_chunks;
+  auto dptr = [](const void* q) { return reinterpret_cast<CUdeviceptr>(q); };
+  auto cu = [](CUresult r, const char* what) -> std::string {
+    return r == CUDA_SUCCESS ? std::string() : std::string("jax_blink CUDA executor: ") + what + " failed (CUresult " + std::to_string(r) + ")";
+  };
+  JB_TRY("cudaEventRecord (fork)", cudaEventRecord(x.fork, stream));
+  JB_TRY("cudaStreamWaitEvent (fork)", cudaStreamWaitEvent(x.to_host, x.fork, 0));
+  JB_TRY("cudaStreamWaitEvent (fork)", cudaStreamWaitEvent(x.from_host, x.fork, 0));
+  void* args[] = {&p};
+  JB_TRY("launching the collective kernel",
+         cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid + p.host_blocks), dim3(kThreads), args, 0, stream));
+  for (int64_t k = 0; k < nch; ++k) {
+    const size_t lo = static_cast<size_t>(k * C) * es, len = static_cast<size_t>(std::min(C, total - k * C)) * es;
+    JB_TRY("cudaMemcpyAsync (to host)", cudaMemcpyAsync(mine + lo, in + lo, len, cudaMemcpyDeviceToHost, x.to_host));
+    std::string e = cu(g_write_value(x.to_host, dptr(peer.ready_dev + flag_at + k), kh, 0), "cuStreamWriteValue32 (ready)");
+    if (e.empty() && alias) e = cu(g_write_value(x.to_host, dptr(sent + k), kh, 0), "cuStreamWriteValue32 (sent)");
+    if (e.empty()) e = cu(g_wait_value(x.from_host, dptr(x.ready_dev + flag_at + k), kh, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32 (ready)");
+    if (e.empty() && alias) e = cu(g_wait_value(x.from_host, dptr(sent + k), kh, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32 (sent)");
+    if (!e.empty()) return e;
+    JB_TRY("cudaMemcpyAsync (from host)", cudaMemcpyAsync(x.stage + lo, theirs + lo, len, cudaMemcpyHostToDevice, x.from_host));
+    e = cu(g_write_value(x.from_host, dptr(landed + k), kh, 0), "cuStreamWriteValue32 (landed)");
+    if (!e.empty()) return e;
+  }
+  JB_TRY("cudaEventRecord (join)", cudaEventRecord(x.joined_to, x.to_host));
+  JB_TRY("cudaEventRecord (join)", cudaEventRecord(x.joined_from, x.from_host));
+  JB_TRY("cudaStreamWaitEvent (join)", cudaStreamWaitEvent(stream, x.joined_to, 0));
+  JB_TRY("cudaStreamWaitEvent (join)", cudaStreamWaitEvent(stream, x.joined_from, 0));
+  return {};
+}
+
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,
                    int64_t timeout_ms) {
   if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
@@ -1817,6 +2057,7 @@ std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, 
   int cur = -1;
   cudaGetDevice(&cur);
   if (cur != s->device) cudaSetDevice(s->device);
+  if (s->host_ce) return LaunchWithCopyEngines(s, fn, p, stream);
   void* args[] = {&p};
   cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid + p.host_blocks), dim3(kThreads), args,
                                    0, stream);
@@ -1864,12 +2105,17 @@ std::string ResetAll() {
         JB_TRY("cudaMemsetAsync (reset staging)",
                cudaMemsetAsync(c->stg[r] + c->stg_dyn, 0, c->stg_bytes - c->stg_dyn, ds->stream));
       }
-  for (auto& [key, c] : g_comms)
+  for (auto& [key, c] : g_comms) {
     for (size_t r = 0; r < c->hctl.size(); ++r) {
       DeviceState* ds = g_dev[c->devices[r]].load();
       JB_TRY("cudaSetDevice", cudaSetDevice(c->devices[r]));
       JB_TRY("cudaMemsetAsync (reset host channel)", cudaMemsetAsync(c->hctl[r], 0, c->hctl_bytes, ds->stream));
     }
+    for (auto& x : c->ce) {  // the device was synchronised above: no copy is in flight
+      std::memset(x->ready_host, 0, 8ull * c->host_max_chunks);
+      x->calls = 0;
+    }
+  }
   for (int d = 0; d < kMaxDevices; ++d)
     if (DeviceState* ds = g_dev[d].load()) {
       JB_TRY("cudaSetDevice", cudaSetDevice(d));
@@ -1893,6 +2139,7 @@ void ReleaseAll() {
       if (c->hctl[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
       if (c->host_buf[r] != nullptr) cudaFreeHost(c->host_buf[r]);
     }
+    FreeCopyEngines(c.get());
   }
   g_sites.clear();
   g_site_by_dev.clear();
@@ -1924,7 +2171,7 @@ std::vector<CommInfo> Comms() {
     for (auto& [d, b] : per_dev) info.control_bytes = std::max(info.control_bytes, b);
     info.host_bytes = c->host_made ? static_cast<int64_t>(2 * c->host_slot) : 0;
     if (c->host_made) info.control_bytes += static_cast<int64_t>(c->hctl_bytes);
-    info.staging_bytes = static_cast<int64_t>(c->stg_bytes);
+    info.staging_bytes = static_cast<int64_t>(c->stg_bytes + (c->ce_made ? c->stage_bytes : 0));
     out.push_back(info);
   }
   return out;

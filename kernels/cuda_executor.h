@@ -51,6 +51,10 @@ struct Options {
   int host_blocks = -1;
   int64_t host_chunk_bytes = -1;
   int64_t host_max_bytes = -1;
+  // Who moves the host channel's bytes: 0 the SMs of its host blocks (graph-replayable), 1 copy
+  // engines on side streams (faster both ways at once; not capturable), -1: JAX_BLINK_HOST_ENGINE
+  // (sm|ce), else kDefaultHostEngine.
+  int host_engine = -1;
 };
 constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chunked one-shot up to 512 KiB (2 x H200)
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
@@ -58,6 +62,8 @@ constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the ho
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)
 constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
+constexpr int kDefaultHostEngine = 0;
+constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel
 // with a host-channel slice beside it (hybrid).
@@ -113,7 +119,7 @@ void ReleaseAll();
 struct CommInfo {
   std::vector<int> devices;
   int blocks = 0;
-  int64_t staging_bytes = 0;  // per rank: the one-shot inbox (0 until a one-shot site exists)
+  int64_t staging_bytes = 0;  // per rank: the one-shot inbox and the host channel's landing buffer
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
   int64_t host_bytes = 0;     // pinned host memory of its host channel (the outbox), per rank
   int num_sites = 0;
@@ -127,6 +133,7 @@ int SiteGrid(const Site* s);
 Mode SiteMode(const Site* s);
 int64_t SiteHostElems(const Site* s);  // elements of the host-channel slice (0 unless hybrid)
 int SiteHostBlocks(const Site* s);     // blocks that drive it
+bool SiteHostCopyEngines(const Site* s);  // its bytes move on copy engines (else the host blocks' SMs)
 
 const char* Version();
 

@@ -131,6 +131,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
                           where() + "reading rank and group: " + cudaGetErrorString(e));
       jbc::Options opt;
       opt.host_share = host_share;
+      if (graph_handler) opt.host_engine = 0;  // the SM host channel replays; copy engines are enqueued per call
       std::string err = jbc::JoinSite(comm_id, host[1], host[0], device, program.begin(),
                                       static_cast<int64_t>(program.size()), static_cast<int>(ffi::ByteWidth(dt)),
                                       timeout_ms, opt, &site);

@@ -19,7 +19,8 @@
 //              --min/--max BYTES (sizes, default 1 KiB .. 1 GiB), --mode auto|tree|ll|oneshot|hybrid
 //              (the kernel: auto takes the executor's limits; a forced mode that does not fit the
 //              staging runs the trees, and the table's mode column says so); hybrid: --host-share F
-//              (default 0.071), --host-blocks H, --host-chunk BYTES (the host column: share/blocks).
+//              (default 0.071), --host-blocks H, --host-chunk BYTES, --host-engine sm|ce (the host
+//              column: share/blocks).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -315,6 +316,7 @@ struct Case {
   Mode mode = Mode::kTree;   // the kernel the site must run (the case fails if it does not)
   double host_share = 0;     // kHybrid: 0 = ForceMode's default
   int host_blocks = -1;
+  int host_engine = 0;       // kHybrid: 0 SMs, 1 copy engines
   bool Aliased(int r) const { return alias || ((alias_ranks >> r) & 1u); }
 };
 
@@ -327,16 +329,27 @@ int BlocksFor(const std::vector<int>& devices, int want) {
   return most == 1 ? 0 : std::max(1, std::min(16, (sms - 4) / most));
 }
 
+// The host channel's engine is fixed per communicator (by its first hybrid site), and a
+// communicator is an ordered device set with a grid: copy-engine cases get one block less, so
+// that they have a communicator of their own.
+int BlocksForEngine(const std::vector<int>& devices, int want, int host_engine) {
+  int b = BlocksFor(devices, want);
+  if (host_engine != 1) return b;
+  if (b == 0) CK(cudaDeviceGetAttribute(&b, cudaDevAttrMultiProcessorCount, devices[0]));
+  return b - 1;
+}
+
 bool RunCase(const Case& c) {
   if (!Wanted(c.name)) return true;
   const int n = static_cast<int>(c.devices.size());
   const int es = Esize(c.dtype);
   std::vector<int32_t> prog = MakeProgram(n, c.chunk, c.total, c.trees);
   cuda::Options opt;
-  opt.blocks = BlocksFor(c.devices, c.blocks);
+  opt.blocks = BlocksForEngine(c.devices, c.blocks, c.host_engine);
   opt.min_piece_bytes = c.min_piece;
   opt.host_share = c.host_share;
   opt.host_blocks = c.host_blocks;
+  opt.host_engine = c.host_engine;
   std::vector<cuda::Site*> sites;
   std::string err = MakeSites(c.devices, prog, es, opt, c.mode, &sites);
   if (!err.empty()) { Report(false, c.name, "set-up: " + err); return false; }
@@ -430,14 +443,15 @@ bool RunCase(const Case& c) {
 // switch_alias (stream mode only): rank 0 runs every third call in place (in == out), so its
 // parent-side pull/push choice changes from call to call while its peers stay out of place.
 bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph,
-                bool switch_alias = false, Mode mode = Mode::kTree) {
+                bool switch_alias = false, Mode mode = Mode::kTree, int host_engine = 0) {
   if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   auto trees = SplitStars(n, total, 4);
   if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
   std::vector<int32_t> prog = MakeProgram(n, 4096, total, trees);
   cuda::Options opt;
-  opt.blocks = BlocksFor(devices, 0);
+  opt.blocks = BlocksForEngine(devices, 0, host_engine);
+  opt.host_engine = host_engine;
   opt.min_piece_bytes = 1024;
   std::vector<cuda::Site*> sites;
   std::string err = MakeSites(devices, prog, 4, opt, mode, &sites);
@@ -559,6 +573,7 @@ bool RunInterleaved(const std::string& name, const std::vector<int>& devices, in
     cuda::Options one = opt;
     one.host_share = o.share;
     one.host_blocks = o.host_blocks;
+    one.host_engine = 0;
     std::string err = MakeSites(devices, prog, 4, one, o.mode, &o.sites);
     if (!err.empty()) { Report(false, name, err); return false; }
     o.ranks = MakeRanks(devices, o.total * 4);
@@ -639,14 +654,16 @@ bool RunInterleaved(const std::string& name, const std::vector<int>& devices, in
 // A rank that skips a call: its peers must time out (500 ms budget) with a record naming the
 // device, tree and chunk; the skipped rank's next call must fail fast; reset() must recover.
 
-bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip, Mode mode = Mode::kTree) {
+bool RunSkipped(const std::string& name, const std::vector<int>& devices, int skip, Mode mode = Mode::kTree,
+                int host_engine = 0) {
   if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   const int64_t total = 1 << 16;
   auto trees = SplitStars(n, total, 4);
   std::vector<int32_t> prog = MakeProgram(n, 4096, total, trees);
   cuda::Options opt;
-  opt.blocks = BlocksFor(devices, 0);
+  opt.blocks = BlocksForEngine(devices, 0, host_engine);
+  opt.host_engine = host_engine;
   std::vector<cuda::Site*> sites;
   std::string err = MakeSites(devices, prog, 4, opt, mode, &sites);
   if (!err.empty()) { Report(false, name, err); return false; }
@@ -849,6 +866,17 @@ std::vector<Case> OneGpuCases(bool quick) {
                 SplitStars(2, 100003, 4)});
   cs.back().mode = Mode::kHybrid;
   cs.back().host_share = 1.0;
+  // The same through copy engines (side streams, stream memory operations).
+  for (DType d : {DType::kF32, DType::kBF16, DType::kS64}) {
+    cs.push_back({std::string("1gpu 2r hybrid ce ") + cuda::DTypeName(d) + " sum", same(2), d, 0, 300001, 1 << 14,
+                  SplitStars(2, 300001, Esize(d))});
+    cs.back().mode = Mode::kHybrid;
+    cs.back().host_engine = 1;
+  }
+  cs.push_back({"1gpu 2r hybrid ce f32 real in==out", same(2), DType::kF32, 0, 250007, 4096, SplitStars(2, 250007, 4),
+                true, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_engine = 1;
   return cs;
 }
 
@@ -923,6 +951,29 @@ std::vector<Case> TwoGpuCases(bool quick) {
   cs.back().mode = Mode::kHybrid;
   cs.back().host_share = 1.0;
   cs.back().host_blocks = 2;
+  // Host channel on copy engines.
+  for (DType d : all)
+    for (int op = 0; op < 3; ++op) {
+      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
+      cs.push_back({"2gpu hybrid ce " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
+      cs.back().mode = Mode::kHybrid;
+      cs.back().host_engine = 1;
+    }
+  cs.push_back({"2gpu hybrid ce f32 real 64 MiB, share 0.12", dev, DType::kF32, 0, 16 << 20, 512 << 10,
+                SplitStars(2, 16 << 20, 4), false, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_share = 0.12;
+  cs.back().host_engine = 1;
+  cs.push_back({"2gpu hybrid ce bf16 real, rank 0 in==out", dev, DType::kBF16, 0, (1 << 20) + 7, 1 << 16,
+                SplitStars(2, (1 << 20) + 7, 2), false, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().alias_ranks = 1;
+  cs.back().host_engine = 1;
+  cs.push_back({"2gpu hybrid ce all through the host (share 1)", dev, DType::kF32, 0, 1 << 20, 1 << 16,
+                SplitStars(2, 1 << 20, 4), true, true});
+  cs.back().mode = Mode::kHybrid;
+  cs.back().host_share = 1.0;
+  cs.back().host_engine = 1;
   return cs;
 }
 
@@ -936,9 +987,11 @@ int Bench(int argc, char** argv, int ngpu) {
   double host_share = 0.071;  // treegen.hybrid_share on 2 x H200 (28 GB/s beside 364)
   int host_blocks = -1;
   int64_t host_chunk = -1;
+  int host_engine = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--host-share" && i + 1 < argc) host_share = std::atof(argv[++i]);
+    else if (a == "--host-engine" && i + 1 < argc) host_engine = std::string(argv[++i]) == "ce" ? 1 : 0;
     else if (a == "--host-blocks" && i + 1 < argc) host_blocks = std::atoi(argv[++i]);
     else if (a == "--host-chunk" && i + 1 < argc) host_chunk = ParseBytes(argv[++i]);
     if (a == "--dtype" && i + 1 < argc) dtype = std::string(argv[++i]) == "bf16" ? DType::kBF16 : DType::kF32;
@@ -1000,7 +1053,8 @@ int Bench(int argc, char** argv, int ngpu) {
     else if (mode_arg == "hybrid") {
       opt.host_share = host_share;
       opt.host_blocks = host_blocks;
-      opt.host_chunk_bytes = host_chunk > 0 ? host_chunk : cuda::kDefaultHostChunkBytes;
+      opt.host_engine = host_engine;
+      opt.host_chunk_bytes = host_chunk > 0 ? host_chunk : host_engine == 1 ? cuda::kDefaultHostCEChunkBytes : cuda::kDefaultHostChunkBytes;
       ForceMode(&opt, Mode::kHybrid);
     }
     std::vector<cuda::Site*> sites;
@@ -1102,6 +1156,9 @@ int main(int argc, char** argv) {
                  Mode::kHybrid);
       RunChained("1gpu 2r 1000 chained calls s32 hybrid (CUDA graph)", {0, 0}, 1 << 18, 1000, true, false, Mode::kHybrid);
       RunSkipped("1gpu 2r hybrid: rank 1 skips a call -> time-out record", {0, 0}, 1, Mode::kHybrid);
+      RunChained("1gpu 2r 999 chained calls s32 hybrid ce, rank 0 in place every 3rd", {0, 0}, 1 << 18, 999, false, true,
+                 Mode::kHybrid, 1);
+      RunSkipped("1gpu 2r hybrid ce: rank 1 skips a call -> time-out record", {0, 0}, 1, Mode::kHybrid, 1);
     }
   }
   if (ngpu >= 2) {
@@ -1126,6 +1183,10 @@ int main(int argc, char** argv) {
                  Mode::kHybrid);
       RunChained("2gpu 1000 chained calls 4 MiB hybrid (CUDA graph)", {0, 1}, 1 << 20, 1000, true, false, Mode::kHybrid);
       RunSkipped("2gpu hybrid: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kHybrid);
+      RunChained("2gpu 999 chained calls 4 MiB hybrid ce, rank 0 in place every 3rd", {0, 1}, 1 << 20, 999, false, true,
+                 Mode::kHybrid, 1);
+      RunSkipped("2gpu hybrid ce: rank 0 skips a call -> time-out record", {0, 1}, 0, Mode::kHybrid, 1);
+      RunSkipped("2gpu hybrid ce: rank 1 skips a call -> time-out record", {0, 1}, 1, Mode::kHybrid, 1);
     }
   } else {
     std::printf("# only one GPU: the 2-GPU tests are skipped\n");

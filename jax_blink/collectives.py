@@ -20,7 +20,7 @@ from jax import lax
 
 from . import _backends, autotune, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config
-from .topology import NVLINK_EFFICIENCY, Topology
+from .topology import NVLINK_EFFICIENCY, Topology, host_engine
 from .treegen import hybrid_share, plan as _plan
 
 AxisName = str | tuple[str, ...]
@@ -225,12 +225,12 @@ def _program(topology: Topology, collective: str, root, total_elems: int, itemsi
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_share(topology: Topology, collective: str, root, method: str) -> float:
+def _plan_share(topology: Topology, collective: str, root, method: str, engine: str = "ce") -> float:
     # The plan's hybrid share (treegen.hybrid_share): the plan is the one _program schedules
     # (treegen caches it; this cache keeps the number even where that cache was cleared, so a
     # trace never solves again for it).
     root_id = None if root is None else topology.devices[root]
-    return float(hybrid_share(_plan(topology, collective, root_id, method=method))[1])
+    return float(hybrid_share(_plan(topology, collective, root_id, method=method), engine)[1])
 
 
 def _host_share(platform: str, topology: Topology, collective: str, root, method: str) -> float:
@@ -240,7 +240,7 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
     executor uses it for 2-rank all-reduces of at least ``JAX_BLINK_HOST_MIN_BYTES`` only."""
     if platform != "gpu" or collective != "allreduce" or not topology.host_links:
         return 0.0
-    return _plan_share(topology, collective, root, method)
+    return _plan_share(topology, collective, root, method, host_engine())
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,

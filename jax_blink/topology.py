@@ -34,6 +34,8 @@ __all__ = [
     "PCIE_GBPS",
     "HOST_GBPS",
     "HOST_PATH_EFFICIENCY",
+    "DEFAULT_HOST_ENGINE",
+    "host_engine",
     "NVLINK_EFFICIENCY",
 ]
 
@@ -61,13 +63,23 @@ DGX1_PCIE_GBPS = 10.0
 PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 #: Of a GPU's PCIe link rate, what one GPU moves to another through pinned host memory per
-#: direction, both directions at once, as the CUDA executor's host channel does it (SM stores
-#: into pinned memory, SM loads from it; 16 blocks, 512 KiB chunks): 28 GB/s measured on the
-#: 2 x H200 machine (benchmarks/results/hybrid-sweep-nvidia-h200-x2-2026-11-22*.txt) against
-#: gen5 x16's 63 nominal. Copy engines reach 40 there (DESIGN.md, "the second channel"); the executor does not
-#: use them (its flags, time budget and failure path live in the kernel). Used by
+#: direction, both directions at once, by the CUDA executor's host channel, per engine
+#: (``JAX_BLINK_HOST_ENGINE``): ``"ce"`` copy engines on side streams, 38 GB/s measured on the 2 x
+#: H200 machine (the default); ``"sm"`` the kernel's host blocks (SM stores into pinned memory, SM
+#: loads from it; 16 blocks, 512 KiB chunks), 28 GB/s; against gen5 x16's 63 nominal
+#: (benchmarks/results/hybrid-sweep-nvidia-h200-x2-2026-11-22-v0.4*.txt). Used by
 #: :func:`host_path_gbps`, hence by the hybrid share of a plan.
-HOST_PATH_EFFICIENCY = 28.0 / (16 * 3.938)
+HOST_PATH_EFFICIENCY: dict[str, float] = {"ce": 38.0 / (16 * 3.938), "sm": 28.0 / (16 * 3.938)}
+
+#: The host channel's engine when ``JAX_BLINK_HOST_ENGINE`` does not say (as the CUDA executor).
+DEFAULT_HOST_ENGINE = "ce"
+
+
+def host_engine() -> str:
+    """The CUDA executor's host-channel engine: ``JAX_BLINK_HOST_ENGINE`` (``"ce"`` or ``"sm"``),
+    else :data:`DEFAULT_HOST_ENGINE`."""
+    e = os.environ.get("JAX_BLINK_HOST_ENGINE", "").strip().lower()
+    return e if e in HOST_PATH_EFFICIENCY else DEFAULT_HOST_ENGINE
 
 #: Of the nominal NVLink rate, what SM-driven peer writes reach: 364 GB/s per direction with both
 #: directions busy, measured on 2 x H200 (NV18), against 18 links x 26.6 GB/s nominal.
@@ -671,13 +683,14 @@ def _nvml_name(nvml: Any, handle: Any) -> str:
         return "gpu"
 
 
-def host_path_gbps(topology: Topology, a: int, b: int) -> float:
+def host_path_gbps(topology: Topology, a: int, b: int, engine: str | None = None) -> float:
     """GB/s per direction that device ``a`` can move to device ``b`` through pinned host memory
-    (Blink's second channel): the slower of the two PCIe links times
-    :data:`HOST_PATH_EFFICIENCY`; 0.0 when either host link is unknown."""
+    (Blink's second channel) with the executor's host-channel ``engine`` (``"ce"`` or ``"sm"``;
+    None: :func:`host_engine`): the slower of the two PCIe links times
+    :data:`HOST_PATH_EFFICIENCY` of that engine; 0.0 when either host link is unknown."""
     for d in (a, b):
         topology.rank_of(d)  # ValueError for a device that is not here
     host = topology.host_links
     if a == b or a not in host or b not in host:
         return 0.0
-    return min(host[a], host[b]) * HOST_PATH_EFFICIENCY
+    return min(host[a], host[b]) * HOST_PATH_EFFICIENCY[engine or host_engine()]

@@ -967,16 +967,17 @@ def _plan_allreduce(topology: Topology, g: nx.DiGraph, root: int | None, method:
 _NVLINK_KINDS = frozenset({"nvlink", "switch"})
 
 
-def hybrid_share(plan: Plan) -> tuple[float, float]:
+def hybrid_share(plan: Plan, engine: str | None = None) -> tuple[float, float]:
     """Blink's hybrid transfer for a 2-device all-reduce: ``(host_gbps, fraction)``.
 
     ``host_gbps`` is what the host channel (GPU -> pinned host memory -> GPU,
-    :func:`jax_blink.topology.host_path_gbps`, the slower direction) moves beside the trees. The
+    :func:`jax_blink.topology.host_path_gbps` with the executor's ``engine``, ``"ce"`` or ``"sm"``,
+    None: ``JAX_BLINK_HOST_ENGINE`` or the default; the slower direction) moves beside the trees. The
     trees reach ``nv = plan.rate * NVLINK_EFFICIENCY`` (:data:`jax_blink.topology.NVLINK_EFFICIENCY`:
     the plan's rate is nominal, SM-driven peer writes reach less of it), and
     ``fraction = host / (nv + host)`` is the share of the elements to send through the host so
     that both channels, each at the rate it actually reaches, finish together (2 x H200, NV18,
-    gen5 x16: 28 / (364 + 28) = 0.071).
+    gen5 x16: 38 / (364 + 38) = 0.095 with copy engines, 28 / (364 + 28) = 0.071 with SMs).
 
     ``(0.0, 0.0)`` for other collectives, other device counts, unknown host links, or two devices
     not linked by NVLink alone (kind ``"nvlink"`` or ``"switch"`` in both directions): where the
@@ -990,7 +991,7 @@ def hybrid_share(plan: Plan) -> tuple[float, float]:
     for u, v in ((a, b), (b, a)):
         if not g.has_edge(u, v) or not set(g[u][v]["kinds"]) <= _NVLINK_KINDS:
             return 0.0, 0.0
-    host = min(host_path_gbps(plan.topology, a, b), host_path_gbps(plan.topology, b, a))
+    host = min(host_path_gbps(plan.topology, a, b, engine), host_path_gbps(plan.topology, b, a, engine))
     if host <= 0:
         return 0.0, 0.0
     nv = plan.rate * NVLINK_EFFICIENCY

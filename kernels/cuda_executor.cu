@@ -179,6 +179,7 @@ constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAt
 // region / kMinOneShotChunk chunks.
 constexpr int64_t kMinOneShotChunk = 4096;
 constexpr int kMaxLLRanks = 8;
+constexpr int64_t kMaxCEChunks = 32;  // per call of a copy-engine host channel (see CreateSiteLocked)
 
 // Per device, in host-mapped pinned memory: written by the first failing kernel, read by the host.
 struct ErrorRecord {
@@ -1586,6 +1587,14 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     host.elems = std::min<int64_t>(host.elems, static_cast<int64_t>(room) / esize / std::max(1, 16 / esize) *
                                                    std::max(1, 16 / esize));
     if (host.elems <= 0) host = HostSlice{};
+    // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
+    // receiving side stream that wait for the peer; a stream holds only so many pending operations
+    // (about a thousand) before enqueueing blocks the host thread, which may be the one that has
+    // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out).
+    if (host.ce && host.elems > 0) {
+      const int64_t al = std::max(1, 16 / esize);
+      host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + al - 1) / al * al);
+    }
     host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
   }
   const int64_t nv_total = prog.total_elems() - host.elems;

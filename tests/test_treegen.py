@@ -266,22 +266,25 @@ def test_hybrid_share_splits_in_proportion_to_the_rates():
     t = Topology([0, 1], links, "pair", host_links={0: 50.0, 1: 60.0})
     p = plan(t, "allreduce")
     assert p.rate == pytest.approx(100.0)
-    host, share = hybrid_share(p)
-    assert host == pytest.approx(50.0 * HOST_PATH_EFFICIENCY)  # the slower host link
+    host, share = hybrid_share(p, "ce")
+    assert host == pytest.approx(50.0 * HOST_PATH_EFFICIENCY["ce"])  # the slower host link
     # Both channels at the rates they reach: NVLink at its measured efficiency, not nominal.
     nv = 100.0 * NVLINK_EFFICIENCY
     assert share == pytest.approx(host / (nv + host))
     assert share > host / (p.rate + host)
     assert 0 < share < 0.5
 
-    # 2 x H200 (NV18 behind NVSwitch, PCIe gen5 x16): 28 GB/s (the executor's host channel) beside NVLink's measured 364.
+    # 2 x H200 (NV18 behind NVSwitch, PCIe gen5 x16): the executor's host channel moves 38 GB/s
+    # on copy engines and 28 by SMs, beside NVLink's measured 364.
     gen5x16 = 16 * PCIE_LANE_GBPS[5]
     sw = Topology.preset("nvswitch:2")
     h200 = Topology(sw.devices, [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)],
                     "h200", host_links={0: gen5x16, 1: gen5x16})
-    host, share = hybrid_share(plan(h200, "allreduce"))
+    host, share = hybrid_share(plan(h200, "allreduce"), "sm")
     assert host == pytest.approx(28.0) and share == pytest.approx(28.0 / (364.0 + 28.0))
     assert share == pytest.approx(0.0714, abs=5e-4)
+    host, share = hybrid_share(plan(h200, "allreduce"), "ce")
+    assert host == pytest.approx(38.0) and share == pytest.approx(38.0 / (364.0 + 38.0))
 
     assert hybrid_share(plan(t, "broadcast", 0)) == (0.0, 0.0)  # all-reduce only
     assert hybrid_share(plan(Topology([0, 1], links, "pair"), "allreduce")) == (0.0, 0.0)  # no host links

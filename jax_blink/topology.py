@@ -64,15 +64,15 @@ PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.93
 
 #: Of a GPU's PCIe link rate, what one GPU moves to another through pinned host memory per
 #: direction, both directions at once, by the CUDA executor's host channel, per engine
-#: (``JAX_BLINK_HOST_ENGINE``): ``"ce"`` copy engines on side streams, 38 GB/s measured on the 2 x
-#: H200 machine (the default); ``"sm"`` the kernel's host blocks (SM stores into pinned memory, SM
-#: loads from it; 16 blocks, 512 KiB chunks), 28 GB/s; against gen5 x16's 63 nominal
+#: (``JAX_BLINK_HOST_ENGINE``): ``"sm"`` the kernel's host blocks (SM stores into pinned memory,
+#: SM loads from it; 16 blocks, 512 KiB chunks), 28 GB/s measured on the 2 x H200 machine (the
+#: default); ``"ce"`` copy engines on side streams, 38 GB/s; against gen5 x16's 63 nominal
 #: (benchmarks/results/hybrid-sweep-nvidia-h200-x2-2026-11-22-v0.4*.txt). Used by
 #: :func:`host_path_gbps`, hence by the hybrid share of a plan.
 HOST_PATH_EFFICIENCY: dict[str, float] = {"ce": 38.0 / (16 * 3.938), "sm": 28.0 / (16 * 3.938)}
 
 #: The host channel's engine when ``JAX_BLINK_HOST_ENGINE`` does not say (as the CUDA executor).
-DEFAULT_HOST_ENGINE = "ce"
+DEFAULT_HOST_ENGINE = "sm"
 
 
 def host_engine() -> str:

@@ -62,7 +62,7 @@ constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the ho
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)
 constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
-constexpr int kDefaultHostEngine = 1;  // copy engines: 38 GB/s per direction both ways, SMs 28 (measured)
+constexpr int kDefaultHostEngine = 0;  // SMs: consistent on every machine we got; copy engines (38 GB/s against 28) once were not: NOTES.md, change 4
 constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel

@@ -1357,12 +1357,8 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   return h;
 }
 
-// The communicator's one-shot staging: per rank 2 * (n-1) inbox slots of `region` bytes (sized
-// for the default limits) and their chunk flags, within min(1% of the smallest device's memory,
-// 256 MiB); halved until it fits (region 0: one-shot off on this communicator).
-std::string EnsureStagingLocked(Comm* c) {
-  if (c->stg_made) return {};
-  const int n = static_cast<int>(c->devices.size());
+// Device memory a communicator may stage in, per rank: min(1% of its smallest device, 256 MiB).
+std::string StagingBudget(const Comm* c, uint64_t* budget) {
   DeviceGuard guard;
   size_t mem_min = SIZE_MAX;
   for (int d : c->devices) {
@@ -1371,7 +1367,20 @@ std::string EnsureStagingLocked(Comm* c) {
     JB_TRY("cudaMemGetInfo", cudaMemGetInfo(&free_b, &total_b));
     mem_min = std::min(mem_min, total_b);
   }
-  const uint64_t budget = std::min<uint64_t>(mem_min / 100, uint64_t{256} << 20);
+  *budget = std::min<uint64_t>(mem_min / 100, uint64_t{256} << 20);
+  return {};
+}
+
+// The communicator's one-shot staging: per rank 2 * (n-1) inbox slots of `region` bytes (sized
+// for the default limits) and their chunk flags, within min(1% of the smallest device's memory,
+// 256 MiB); halved until it fits (region 0: one-shot off on this communicator).
+std::string EnsureStagingLocked(Comm* c) {
+  if (c->stg_made) return {};
+  const int n = static_cast<int>(c->devices.size());
+  DeviceGuard guard;
+  uint64_t budget = 0;
+  std::string berr = StagingBudget(c, &budget);
+  if (!berr.empty()) return berr;
   const uint64_t slots = 2ull * (n - 1);
   uint64_t region = AlignUp(static_cast<size_t>(std::max<int64_t>(2 * std::min<int64_t>(DefaultLLMax(), int64_t{1} << 30),
                                                                   DefaultOneShotMax(n))), 4096);
@@ -1489,14 +1498,9 @@ std::string MakeCopyEnginesLocked(Comm* c) {
   if (!err.empty()) return err;
   const int n = static_cast<int>(c->devices.size());
   DeviceGuard guard;
-  size_t mem_min = SIZE_MAX;
-  for (int d : c->devices) {
-    size_t free_b = 0, total_b = 0;
-    JB_TRY("cudaSetDevice", cudaSetDevice(d));
-    JB_TRY("cudaMemGetInfo", cudaMemGetInfo(&free_b, &total_b));
-    mem_min = std::min(mem_min, total_b);
-  }
-  const uint64_t budget = std::min<uint64_t>(mem_min / 100, uint64_t{256} << 20);
+  uint64_t budget = 0;
+  std::string berr = StagingBudget(c, &budget);
+  if (!berr.empty()) return berr;
   c->stage_bytes = std::min<uint64_t>(c->host_slot, budget / 2 / 4096 * 4096);
   c->ce.clear();
   for (int r = 0; r < n; ++r) {

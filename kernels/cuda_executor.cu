@@ -149,6 +149,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>  // strcasecmp
 #include <map>
 #include <memory>
 #include <mutex>
@@ -619,6 +620,7 @@ __device__ void host_channel(const Params& p, Shared& sh, int hb) {
     const S* second = me == 0 ? theirs + lo : in + lo;
     if (p.host_cv) combine_range<E, Op, true>(out + lo, first, &second, 1, nullptr, 0, len);
     else combine_range<E, Op, false>(out + lo, first, &second, 1, nullptr, 0, len);
+    __syncthreads();  // every warp has read sh.fail before thread 0's next wait may set it
     return true;
   };
   int64_t c = hb;
@@ -1336,7 +1338,7 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   int engine = opt.host_engine;
   if (engine < 0) {
     const char* e = std::getenv("JAX_BLINK_HOST_ENGINE");
-    engine = (e != nullptr && *e != 0) ? (std::strcmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
+    engine = (e != nullptr && *e != 0) ? (strcasecmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
   }
   h.ce = engine == 1;
   const int64_t chunk_bytes = opt.host_chunk_bytes > 0
@@ -1346,6 +1348,11 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   const int64_t align = std::max(1, 16 / esize);
   int64_t elems = static_cast<int64_t>(std::min(share, 1.0) * static_cast<double>(total));
   elems = std::min(elems, std::max<int64_t>(max_bytes, 0) / esize) / align * align;
+  // The trees keep at least one 16-byte atom: their per-site flags are what tells two ranks that
+  // ran different hybrid sites at the same host-channel call apart (a time-out, never a silent
+  // mix); and the slice starts 16-byte aligned (the vector paths), so it ends where the operand does.
+  elems = std::min(elems, (total - 1) / align * align);
+  elems = total - AlignUp(static_cast<size_t>(total - elems), static_cast<size_t>(align));
   if (elems <= 0) return h;
   h.elems = elems;
   h.chunk = std::max<int64_t>(align, std::max<int64_t>(chunk_bytes, 4096) / esize / align * align);
@@ -1582,21 +1589,31 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   if (host.elems > 0) {  // the communicator's outbox bounds the slice (its size is fixed at its first hybrid site)
     std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.wc, host.ce);
     if (!herr.empty()) return herr;
-    host.ce = comm->host_ce;
-    if (host.ce) {
+    if (host.ce && !comm->ce_made) {
       herr = EnsureCopyEnginesLocked(comm);
-      if (!herr.empty()) return herr;
+      if (!herr.empty()) {
+        if (comm->sites.empty() || std::none_of(comm->sites.begin(), comm->sites.end(),
+                                                 [](const Site* x) { return x->mode == Mode::kHybrid; }))
+          comm->host_ce = false;  // no hybrid site uses the channel yet: a later SM site may
+        return herr;
+      }
     }
+    // The communicator's channel runs on one engine (its first hybrid site's): a site that asks
+    // for the other one (the command-buffer handler asks for SMs) takes NVLink only.
+    if (host.ce != comm->host_ce) host = HostSlice{};
     const uint64_t room = host.ce ? std::min<uint64_t>(comm->host_slot, comm->stage_bytes) : comm->host_slot;
-    host.elems = std::min<int64_t>(host.elems, static_cast<int64_t>(room) / esize / std::max(1, 16 / esize) *
-                                                   std::max(1, 16 / esize));
+    const int64_t al = std::max(1, 16 / esize);
+    if (host.elems > static_cast<int64_t>(room) / esize) {  // capped: start 16-byte aligned again
+      host.elems = static_cast<int64_t>(room) / esize / al * al;
+      host.elems = prog.total_elems() - static_cast<int64_t>(AlignUp(static_cast<size_t>(prog.total_elems() - host.elems),
+                                                                      static_cast<size_t>(al)));
+    }
     if (host.elems <= 0) host = HostSlice{};
     // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
     // receiving side stream that wait for the peer; a stream holds only so many pending operations
     // (about a thousand) before enqueueing blocks the host thread, which may be the one that has
     // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out).
     if (host.ce && host.elems > 0) {
-      const int64_t al = std::max(1, 16 / esize);
       host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + al - 1) / al * al);
     }
     host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));

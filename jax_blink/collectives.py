@@ -225,7 +225,7 @@ def _program(topology: Topology, collective: str, root, total_elems: int, itemsi
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_share(topology: Topology, collective: str, root, method: str, engine: str = "ce") -> float:
+def _plan_share(topology: Topology, collective: str, root, method: str, engine: str) -> float:
     # The plan's hybrid share (treegen.hybrid_share): the plan is the one _program schedules
     # (treegen caches it; this cache keeps the number even where that cache was cleared, so a
     # trace never solves again for it).
@@ -240,7 +240,9 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
     executor uses it for 2-rank all-reduces of at least ``JAX_BLINK_HOST_MIN_BYTES`` only."""
     if platform != "gpu" or collective != "allreduce" or not topology.host_links:
         return 0.0
-    return _plan_share(topology, collective, root, method, host_engine())
+    # The command-buffer handler keeps the SM channel (copy engines are enqueued per call).
+    engine = "sm" if config.command_buffers else host_engine()
+    return _plan_share(topology, collective, root, method, engine)
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,

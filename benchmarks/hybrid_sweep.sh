@@ -5,7 +5,7 @@
 #   2. NVLink alone (the trees) at 256 MiB and 1 GiB;
 #   3. NVLink + host channel at each size in SIZES for each share x host blocks.
 # Needs the self-test binary (gpu_session.sh step selftest builds /tmp/selftest).
-#   bash benchmarks/hybrid_sweep.sh   (knobs: ST, ENGINES, ALONE_BLOCKS, SHARES, CE_SHARES, HOST_BLOCKS, SIZES, KNOBS)
+#   bash benchmarks/hybrid_sweep.sh   (knobs: ST, ENGINES, ALONE_BLOCKS, SHARES, CE_SHARES, HOST_BLOCKS, SIZES)
 ST=${ST:-/tmp/selftest}
 rows() { grep -v '^# jax_blink\|^ *bytes ' || true; }
 echo "# trees alone (NVLink only)"
@@ -25,11 +25,3 @@ for engine in ${ENGINES:-sm}; do
     done
   done
 done
-if [ -n "${KNOBS:-}" ]; then  # the SM host channel's own rate (share 1, 16 blocks) per load / allocation knob
-  echo "# host channel alone per knob (JAX_BLINK_HOST_LOADS cv|cg, JAX_BLINK_HOST_WC 1|0, chunk)"
-  for loads in cv cg; do for wc in 1 0; do for chunk in 512K 2M 8M; do
-    echo "loads=$loads wc=$wc chunk=$chunk"
-    JAX_BLINK_HOST_LOADS=$loads JAX_BLINK_HOST_WC=$wc timeout 60 "$ST" --bench --mode hybrid --host-share 1 \
-      --host-blocks 16 --host-chunk "$chunk" --min 64M --max 64M | rows
-  done; done; done
-fi

@@ -15,9 +15,6 @@ NB_MODULE(_blink_cpu, m) {
       "registrations",
       []() {
         nb::dict d;
-        // The binding (cpu_executor.cc) takes the same attributes as the CUDA handler's, the
-        // hybrid transfer's host_share included: accepted and ignored, since on CPU host devices
-        // all memory is host memory and there is no second channel.
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveCpu));
         return d;
       },

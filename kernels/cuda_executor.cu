@@ -81,9 +81,12 @@
 // copies its chunks of `in` into its rank's outbox (pinned, write-combined, mapped into both
 // GPUs; one per communicator and rank, shared by its hybrid sites, two slots by the parity of the
 // communicator's hybrid call count), release-flags them in the peer's control block, then reads
-// the peer's chunks from the peer's outbox and reduces (see host_channel). The trees' segments are scaled into the rest of
-// the operand. SM-driven rather than copy engines: the flags, the time budget and the failure
-// path stay those of the kernel, there is no host-side sequencing, and a captured call replays.
+// the peer's chunks from the peer's outbox and reduces (see host_channel). The trees' segments
+// are scaled into the rest of the operand. SM-driven by default: the flags, the time budget and
+// the failure path stay those of the kernel, there is no host-side sequencing, and a captured
+// call replays. JAX_BLINK_HOST_ENGINE=ce moves the bytes on copy engines instead (faster both
+// ways at once; enqueued per call by the host, see LaunchWithCopyEngines); the host blocks then
+// only reduce what landed.
 //
 // ## Flags and memory order (device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
@@ -255,7 +258,6 @@ struct Params {
   uint32_t host_kh;
   const uint8_t* stage;
   uint32_t* ready_mine;
-  int32_t host_cv;  // 1: read the peer's outbox with ld.global.cv (default), 0: ld.global.cg
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -543,20 +545,6 @@ __device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int
   sync::st_release_sys(inbox_at(p, sh.peer_base[dst], p.rank, phase, u), sh.k);
 }
 
-// Mode::kHybrid, host block hb of H (2 ranks): chunks hb, hb + H, ... of the slice [host_off,
-// host_off + host_elems). The host channel belongs to the communicator (one outbox per rank for
-// all its hybrid sites), and so does its call number kh: the number of hybrid calls on this
-// communicator so far, kept per block in the control block and moved in lockstep (block 0 also
-// moves the counters of the blocks this site does not use). Send chunk c: copy this rank's `in`
-// into its outbox (pinned host memory, slot kh & 1), then st.release.sys kh into the chunk's flag
-// in the peer's control block (over NVLink; the release orders the block's PCIe writes before
-// it). Receive chunk c: wait for the peer's flag here, then out = rank 0's op rank 1's (rank
-// order: both ranks round alike), reading the peer's outbox with ld.global.cv. A block sends
-// c + H before it waits for c, so that both directions of the PCIe links stay busy. Two slots
-// suffice for the reason the one-shot inbox's do (see the header): this rank overwrites slot
-// kh & 1 in hybrid call kh + 2 only after its call kh + 1 received the peer's chunks of that
-// call, which the peer sends only after its call kh (the last reader of the slot) finished; by
-// the same argument a flag is never overwritten before its waiter has seen it.
 // Copy-engine variant (host_ce): the side streams move the chunks (see Launch); this block waits
 // for each of its chunks to land in `stage` and reduces it. If it stops early it releases the
 // side stream's waits on its chunks (ready flags = kh), so that the call ends, failed, not hung.
@@ -587,6 +575,20 @@ __device__ void host_channel_ce(const Params& p, Shared& sh, int hb) {
     for (int64_t r = hb; r < nch; r += H) sync::st_release_sys(p.ready_mine + par * p.host_max_chunks + r, kh);
 }
 
+// Mode::kHybrid, host block hb of H (2 ranks): chunks hb, hb + H, ... of the slice [host_off,
+// host_off + host_elems). The host channel belongs to the communicator (one outbox per rank for
+// all its hybrid sites), and so does its call number kh: the number of hybrid calls on this
+// communicator so far, kept per block in the control block and moved in lockstep (block 0 also
+// moves the counters of the blocks this site does not use). Send chunk c: copy this rank's `in`
+// into its outbox (pinned host memory, slot kh & 1), then st.release.sys kh into the chunk's flag
+// in the peer's control block (over NVLink; the release orders the block's PCIe writes before
+// it). Receive chunk c: wait for the peer's flag here, then out = rank 0's op rank 1's (rank
+// order: both ranks round alike), reading the peer's outbox with ld.global.cv. A block sends
+// c + H before it waits for c, so that both directions of the PCIe links stay busy. Two slots
+// suffice for the reason the one-shot inbox's do (see the header): this rank overwrites slot
+// kh & 1 in hybrid call kh + 2 only after its call kh + 1 received the peer's chunks of that
+// call, which the peer sends only after its call kh (the last reader of the slot) finished; by
+// the same argument a flag is never overwritten before its waiter has seen it.
 template <class E, class Op>
 __device__ void host_channel(const Params& p, Shared& sh, int hb) {
   if (p.host_ce) {
@@ -618,8 +620,7 @@ __device__ void host_channel(const Params& p, Shared& sh, int hb) {
     if (sh.fail) return false;
     const S* first = me == 0 ? in + lo : theirs + lo;
     const S* second = me == 0 ? theirs + lo : in + lo;
-    if (p.host_cv) combine_range<E, Op, true>(out + lo, first, &second, 1, nullptr, 0, len);
-    else combine_range<E, Op, false>(out + lo, first, &second, 1, nullptr, 0, len);
+    combine_range<E, Op, true>(out + lo, first, &second, 1, nullptr, 0, len);
     __syncthreads();  // every warp has read sh.fail before thread 0's next wait may set it
     return true;
   };
@@ -1309,6 +1310,11 @@ int64_t EnvBytes(const char* name, int64_t fallback) {
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 
+// The largest tail of at most `elems` of `total` elements that starts at a multiple of `align`.
+int64_t SliceFromAlignedStart(int64_t total, int64_t elems, int64_t align) {
+  return total - static_cast<int64_t>(AlignUp(static_cast<size_t>(total - elems), static_cast<size_t>(align)));
+}
+
 // The host channel of a site (Mode::kHybrid), decided at set-up.
 struct HostSlice {
   int64_t elems = 0;   // the operand's last `elems` elements take the host channel (0: none)
@@ -1316,8 +1322,6 @@ struct HostSlice {
   int blocks = 0;      // blocks of the kernel that drive it
   int64_t max_bytes = 0;  // the outbox slot this wants (the communicator's is made once)
   bool ce = false;     // copy engines move the chunks (JAX_BLINK_HOST_ENGINE=ce), else the SMs
-  bool cv = true;      // JAX_BLINK_HOST_LOADS=cg: the peer's outbox through ld.global.cg (measuring)
-  bool wc = true;      // JAX_BLINK_HOST_WC=0: outboxes not write-combined (measuring)
 };
 
 // Whether and how much of a site goes through pinned host memory: a 2-rank all-reduce of at
@@ -1351,16 +1355,13 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   // The trees keep at least one 16-byte atom: their per-site flags are what tells two ranks that
   // ran different hybrid sites at the same host-channel call apart (a time-out, never a silent
   // mix); and the slice starts 16-byte aligned (the vector paths), so it ends where the operand does.
-  elems = std::min(elems, (total - 1) / align * align);
-  elems = total - AlignUp(static_cast<size_t>(total - elems), static_cast<size_t>(align));
+  elems = SliceFromAlignedStart(total, std::min(elems, (total - 1) / align * align), align);
   if (elems <= 0) return h;
   h.elems = elems;
   h.chunk = std::max<int64_t>(align, std::max<int64_t>(chunk_bytes, 4096) / esize / align * align);
   const int64_t nch = (elems + h.chunk - 1) / h.chunk;
   h.blocks = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(blocks), static_cast<int64_t>(grid - 1), nch}));
   h.max_bytes = max_bytes;
-  if (const char* e = std::getenv("JAX_BLINK_HOST_LOADS")) h.cv = std::strcmp(e, "cg") != 0;
-  h.wc = EnvBytes("JAX_BLINK_HOST_WC", 1) != 0;
   return h;
 }
 
@@ -1422,12 +1423,23 @@ std::string EnsureStagingLocked(Comm* c) {
   return {};
 }
 
+void FreeHostChannel(Comm* c) {
+  for (size_t r = 0; r < c->hctl.size(); ++r) {
+    if (c->host_buf[r] != nullptr) cudaFreeHost(c->host_buf[r]);
+    if (c->hctl[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
+  }
+  c->host_buf.clear();
+  c->host_dev.clear();
+  c->hctl.clear();
+  c->host_made = false;
+}
+
 // The communicator's host channel (2 ranks): per rank an outbox of two slots of host_max_bytes
 // in pinned, portable, mapped, write-combined host memory (no CPU reads it, and the GPUs' PCIe
 // accesses need not snoop the CPU caches), and a zeroed control block in device memory (call
 // counters for the grid, flags for the smallest chunk, 4 KiB). Host memory, so outside the
 // device staging budget; reported by Comms().
-std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combined, bool copy_engines) {
+std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool copy_engines) {
   if (c->host_made) return {};
   c->host_ce = copy_engines;
   const int n = static_cast<int>(c->devices.size());
@@ -1441,26 +1453,20 @@ std::string EnsureHostChannelLocked(Comm* c, int64_t max_bytes, bool write_combi
   c->host_buf.assign(n, nullptr);
   c->host_dev.assign(n, nullptr);
   c->hctl.assign(n, nullptr);
-  auto undo = [&] {
-    for (int r = 0; r < n; ++r) {
-      if (c->host_buf[r]) cudaFreeHost(c->host_buf[r]);
-      if (c->hctl[r]) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
-    }
-    c->host_buf.clear();
-    c->host_dev.clear();
-    c->hctl.clear();
-  };
   for (int r = 0; r < n; ++r) {
     DeviceState* ds = g_dev[c->devices[r]].load();
     cudaError_t e = cudaSetDevice(c->devices[r]);
     if (e == cudaSuccess)
       e = cudaHostAlloc(&c->host_buf[r], 2 * c->host_slot,
-                        cudaHostAllocPortable | cudaHostAllocMapped | (write_combined ? cudaHostAllocWriteCombined : 0u));
+                        cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined);
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&c->host_dev[r], c->host_buf[r], 0);
     if (e == cudaSuccess) e = cudaMalloc(&c->hctl[r], c->hctl_bytes);
     if (e == cudaSuccess) e = cudaMemsetAsync(c->hctl[r], 0, c->hctl_bytes, ds->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(ds->stream);
-    if (e != cudaSuccess) { undo(); return CudaErr("setting up the host channel (pinned outbox, control block)", e); }
+    if (e != cudaSuccess) {
+      FreeHostChannel(c);
+      return CudaErr("setting up the host channel (pinned outbox, control block)", e);
+    }
   }
   c->host_made = true;
   return {};
@@ -1566,6 +1572,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   DeviceGuard guard;
   const int G = comm->blocks;
   const int ntrees = prog.ntrees();
+  const int64_t align = std::max(1, 16 / esize);  // elements per 16 bytes: the vector paths' unit
 
   // The segments as this executor runs them: the program's, unless the host channel takes the
   // operand's tail (Mode::kHybrid); then the trees' segments are scaled into what is left,
@@ -1587,7 +1594,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   }
   HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
   if (host.elems > 0) {  // the communicator's outbox bounds the slice (its size is fixed at its first hybrid site)
-    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.wc, host.ce);
+    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.ce);
     if (!herr.empty()) return herr;
     if (host.ce && !comm->ce_made) {
       herr = EnsureCopyEnginesLocked(comm);
@@ -1602,32 +1609,27 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     // for the other one (the command-buffer handler asks for SMs) takes NVLink only.
     if (host.ce != comm->host_ce) host = HostSlice{};
     const uint64_t room = host.ce ? std::min<uint64_t>(comm->host_slot, comm->stage_bytes) : comm->host_slot;
-    const int64_t al = std::max(1, 16 / esize);
-    if (host.elems > static_cast<int64_t>(room) / esize) {  // capped: start 16-byte aligned again
-      host.elems = static_cast<int64_t>(room) / esize / al * al;
-      host.elems = prog.total_elems() - static_cast<int64_t>(AlignUp(static_cast<size_t>(prog.total_elems() - host.elems),
-                                                                      static_cast<size_t>(al)));
-    }
+    if (host.elems > static_cast<int64_t>(room) / esize)  // capped: start 16-byte aligned again
+      host.elems = SliceFromAlignedStart(prog.total_elems(), static_cast<int64_t>(room) / esize / align * align, align);
     if (host.elems <= 0) host = HostSlice{};
     // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
     // receiving side stream that wait for the peer; a stream holds only so many pending operations
     // (about a thousand) before enqueueing blocks the host thread, which may be the one that has
     // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out).
     if (host.ce && host.elems > 0) {
-      host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + al - 1) / al * al);
+      host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + align - 1) / align * align);
     }
     host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
   }
   const int64_t nv_total = prog.total_elems() - host.elems;
   if (host.elems > 0) {
-    const int64_t al = std::max(1, 16 / esize);
     std::vector<int> order;
     for (int t : prog.trees_by_offset())
       if (seg_len[t] > 0) order.push_back(t);
     std::vector<int64_t> lo(order.size() + 1, nv_total);
     for (size_t i = 0; i < order.size(); ++i)
       lo[i] = i == 0 ? 0
-                     : static_cast<int64_t>(static_cast<__int128>(seg_off[order[i]]) * nv_total / prog.total_elems()) / al * al;
+                     : static_cast<int64_t>(static_cast<__int128>(seg_off[order[i]]) * nv_total / prog.total_elems()) / align * align;
     for (size_t i = 0; i < order.size(); ++i) {
       seg_off[order[i]] = lo[i];
       seg_len[order[i]] = std::max<int64_t>(0, lo[i + 1] - lo[i]);
@@ -1637,7 +1639,6 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
 
   // Pieces: U = m * Gu units (m rounds per block) of at most the program's chunk, no smaller than
   // min_piece_bytes, each tree a share proportional to its segment, interleaved across trees.
-  const int64_t align = std::max(1, 16 / esize);
   const int64_t min_piece = std::max<int64_t>(16, opt.min_piece_bytes);
   const int64_t piece_max = std::clamp<int64_t>(prog.chunk_elems() * esize, min_piece, std::max(min_piece, kMaxPieceBytes));
   std::vector<int> live;
@@ -1723,7 +1724,6 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     base.hctl_blocks = G;
     base.host_blocks = host.blocks;
     base.host_ce = host.ce ? 1 : 0;
-    base.host_cv = host.cv ? 1 : 0;
   }
 
   // The host channel beside the trees (decided above), or one-shot instead of the trees: an
@@ -2165,10 +2165,7 @@ void ReleaseAll() {
   for (auto& [key, c] : g_comms) {
     for (size_t r = 0; r < c->stg.size(); ++r)
       if (c->stg[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->stg[r]); }
-    for (size_t r = 0; r < c->hctl.size(); ++r) {
-      if (c->hctl[r] != nullptr) { cudaSetDevice(c->devices[r]); cudaFree(c->hctl[r]); }
-      if (c->host_buf[r] != nullptr) cudaFreeHost(c->host_buf[r]);
-    }
+    FreeHostChannel(c.get());
     FreeCopyEngines(c.get());
   }
   g_sites.clear();

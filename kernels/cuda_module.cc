@@ -241,8 +241,8 @@ NB_MODULE(_blink_cuda, m) {
         for (const jbc::CommInfo& c : jbc::Comms()) most = std::max(most, c.staging_bytes);
         return most;
       },
-      "Largest staging allocation of any communicator, per rank, in bytes (the one-shot inbox; 0 until "
-      "a one-shot all-reduce was set up).");
+      "Largest staging allocation of any communicator, per rank, in bytes (the one-shot inbox and the "
+      "copy-engine host channel's landing buffer; 0 until one of them was set up).");
 
   m.def(
       "comms",
@@ -263,9 +263,10 @@ NB_MODULE(_blink_cuda, m) {
         }
         return out;
       },
-      "One dict per communicator (ordered device set): devices, blocks, staging_bytes (the one-shot inbox "
-      "per rank), control_bytes (flags, pointer tables and plans of its call sites, on its largest device), "
-      "host_bytes (pinned host memory of its hybrid sites' outboxes, per rank), num_sites, sites_by_mode "
+      "One dict per communicator (ordered device set): devices, blocks, staging_bytes (device memory per "
+      "rank: the one-shot inbox, the copy-engine host channel's landing buffer), control_bytes (flags, "
+      "pointer tables and plans of its call sites, on its largest device), "
+      "host_bytes (pinned host memory of its host channel's outboxes, per rank), num_sites, sites_by_mode "
       "({'tree', 'll', 'oneshot', 'hybrid'} -> how many of its sites run each kernel).");
 
   m.def(

@@ -20,7 +20,7 @@ from jax import lax
 
 from . import _backends, autotune, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config
-from .topology import NVLINK_EFFICIENCY, Topology, host_engine
+from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
 
 AxisName = str | tuple[str, ...]
@@ -233,6 +233,16 @@ def _plan_share(topology: Topology, collective: str, root, method: str, engine: 
     return float(hybrid_share(_plan(topology, collective, root_id, method=method), engine)[1])
 
 
+def _host_engine() -> str:
+    """The CUDA executor's host-channel engine for the calls lowered now: ``JAX_BLINK_HOST_ENGINE``
+    (``"ce"`` or ``"sm"``, read as the executor reads it), else the default; always ``"sm"`` with
+    command buffers, whose handler keeps the SM channel (copy engines are enqueued per call)."""
+    if config.command_buffers:
+        return "sm"
+    e = os.environ.get("JAX_BLINK_HOST_ENGINE", "").strip().lower()
+    return e if e in HOST_PATH_EFFICIENCY else DEFAULT_HOST_ENGINE
+
+
 def _host_share(platform: str, topology: Topology, collective: str, root, method: str) -> float:
     """The ``host_share`` attribute of a call: the fraction of an all-reduce's elements that the
     executor may send through pinned host memory (Blink's hybrid transfer), from the plan; 0.0
@@ -240,9 +250,7 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
     executor uses it for 2-rank all-reduces of at least ``JAX_BLINK_HOST_MIN_BYTES`` only."""
     if platform != "gpu" or collective != "allreduce" or not topology.host_links:
         return 0.0
-    # The command-buffer handler keeps the SM channel (copy engines are enqueued per call).
-    engine = "sm" if config.command_buffers else host_engine()
-    return _plan_share(topology, collective, root, method, engine)
+    return _plan_share(topology, collective, root, method, _host_engine())
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
@@ -477,7 +485,7 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                   if collective != "allreduce" else None, method=method)
         lines = [p.explain()]
         total = nbytes // itemsize
-        host, share = hybrid_share(p)
+        host, share = hybrid_share(p, _host_engine())
         if host > 0:
             min_bytes = _host_min_bytes()
             lines.append(

@@ -35,7 +35,6 @@ __all__ = [
     "HOST_GBPS",
     "HOST_PATH_EFFICIENCY",
     "DEFAULT_HOST_ENGINE",
-    "host_engine",
     "NVLINK_EFFICIENCY",
 ]
 
@@ -71,15 +70,8 @@ PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.93
 #: :func:`host_path_gbps`, hence by the hybrid share of a plan.
 HOST_PATH_EFFICIENCY: dict[str, float] = {"ce": 38.0 / (16 * 3.938), "sm": 28.0 / (16 * 3.938)}
 
-#: The host channel's engine when ``JAX_BLINK_HOST_ENGINE`` does not say (as the CUDA executor).
+#: The CUDA executor's host-channel engine when ``JAX_BLINK_HOST_ENGINE`` does not say.
 DEFAULT_HOST_ENGINE = "sm"
-
-
-def host_engine() -> str:
-    """The CUDA executor's host-channel engine: ``JAX_BLINK_HOST_ENGINE`` (``"ce"`` or ``"sm"``),
-    else :data:`DEFAULT_HOST_ENGINE`."""
-    e = os.environ.get("JAX_BLINK_HOST_ENGINE", "").strip().lower()
-    return e if e in HOST_PATH_EFFICIENCY else DEFAULT_HOST_ENGINE
 
 #: Of the nominal NVLink rate, what SM-driven peer writes reach: 364 GB/s per direction with both
 #: directions busy, measured on 2 x H200 (NV18), against 18 links x 26.6 GB/s nominal.
@@ -683,14 +675,14 @@ def _nvml_name(nvml: Any, handle: Any) -> str:
         return "gpu"
 
 
-def host_path_gbps(topology: Topology, a: int, b: int, engine: str | None = None) -> float:
+def host_path_gbps(topology: Topology, a: int, b: int, engine: str = DEFAULT_HOST_ENGINE) -> float:
     """GB/s per direction that device ``a`` can move to device ``b`` through pinned host memory
-    (Blink's second channel) with the executor's host-channel ``engine`` (``"ce"`` or ``"sm"``;
-    None: :func:`host_engine`): the slower of the two PCIe links times
+    (Blink's second channel) with the executor's host-channel ``engine`` (``"ce"`` or ``"sm"``):
+    the slower of the two PCIe links times
     :data:`HOST_PATH_EFFICIENCY` of that engine; 0.0 when either host link is unknown."""
     for d in (a, b):
         topology.rank_of(d)  # ValueError for a device that is not here
     host = topology.host_links
     if a == b or a not in host or b not in host:
         return 0.0
-    return min(host[a], host[b]) * HOST_PATH_EFFICIENCY[engine or host_engine()]
+    return min(host[a], host[b]) * HOST_PATH_EFFICIENCY[engine]

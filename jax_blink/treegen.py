@@ -39,7 +39,7 @@ from typing import Any
 
 import networkx as nx
 
-from .topology import NVLINK_EFFICIENCY, Topology, host_path_gbps
+from .topology import DEFAULT_HOST_ENGINE, NVLINK_EFFICIENCY, Topology, host_path_gbps
 
 __all__ = ["Plan", "plan", "COLLECTIVES", "METHODS", "broadcast_bound", "partition_bound",
            "clear_plan_cache"]
@@ -967,12 +967,12 @@ def _plan_allreduce(topology: Topology, g: nx.DiGraph, root: int | None, method:
 _NVLINK_KINDS = frozenset({"nvlink", "switch"})
 
 
-def hybrid_share(plan: Plan, engine: str | None = None) -> tuple[float, float]:
+def hybrid_share(plan: Plan, engine: str = DEFAULT_HOST_ENGINE) -> tuple[float, float]:
     """Blink's hybrid transfer for a 2-device all-reduce: ``(host_gbps, fraction)``.
 
     ``host_gbps`` is what the host channel (GPU -> pinned host memory -> GPU,
-    :func:`jax_blink.topology.host_path_gbps` with the executor's ``engine``, ``"ce"`` or ``"sm"``,
-    None: ``JAX_BLINK_HOST_ENGINE`` or the default; the slower direction) moves beside the trees. The
+    :func:`jax_blink.topology.host_path_gbps` with the executor's ``engine``, ``"ce"`` or ``"sm"``;
+    the slower direction) moves beside the trees. The
     trees reach ``nv = plan.rate * NVLINK_EFFICIENCY`` (:data:`jax_blink.topology.NVLINK_EFFICIENCY`:
     the plan's rate is nominal, SM-driven peer writes reach less of it), and
     ``fraction = host / (nv + host)`` is the share of the elements to send through the host so

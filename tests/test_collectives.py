@@ -320,6 +320,17 @@ def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
     assert C._host_share("cpu", pair, "allreduce", None, "exact") == 0.0
     assert C._host_share("gpu", pair, "broadcast", 0, "exact") == 0.0
     assert C._host_share("gpu", sw, "allreduce", None, "exact") == 0.0  # no host links
+    # The engine (JAX_BLINK_HOST_ENGINE, read as the executor reads it) sets the host rate.
+    assert C._host_engine() == "sm"
+    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "ce")
+    assert C._host_engine() == "ce"
+    assert C._host_share("gpu", pair, "allreduce", None, "exact") == pytest.approx(
+        hybrid_share(jax_blink.plan(pair, "allreduce"), "ce")[1])
+    monkeypatch.setattr(jax_blink.config, "command_buffers", True)  # that handler keeps the SMs
+    assert C._host_engine() == "sm"
+    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "bogus")  # unknown: the default
+    monkeypatch.setattr(jax_blink.config, "command_buffers", False)
+    assert C._host_engine() == "sm"
     # Cached: a later trace never plans again for it.
     monkeypatch.setattr(C, "_plan", lambda *a, **k: pytest.fail("planned again"))
     assert C._host_share("gpu", pair, "allreduce", None, "exact") == pytest.approx(want)

@@ -354,21 +354,16 @@ def test_nvml_discovery_fills_host_links():
     assert t.host_links == {3: pytest.approx(3.938 * 16), 4: pytest.approx(3.938 * 16)}
 
 
-def test_host_path_gbps(monkeypatch):
+def test_host_path_gbps():
     t = _pair({0: 63.0, 1: 31.5})
     assert topo_mod.host_path_gbps(t, 0, 1, "sm") == pytest.approx(31.5 * topo_mod.HOST_PATH_EFFICIENCY["sm"])
     assert topo_mod.host_path_gbps(t, 0, 0) == 0.0
     assert topo_mod.host_path_gbps(_pair({0: 63.0}), 0, 1) == 0.0  # device 1's link unknown
     # gen5 x16 gives what the executor's host channel moved per direction on 2 x H200: 38 GB/s on
-    # copy engines, 28 by SMs; the engine comes from JAX_BLINK_HOST_ENGINE, SMs by default
+    # copy engines, 28 by SMs (the default engine)
     gen5 = _pair({0: 3.938 * 16, 1: 3.938 * 16})
     assert topo_mod.host_path_gbps(gen5, 1, 0, "ce") == pytest.approx(38.0)
     assert topo_mod.host_path_gbps(gen5, 1, 0, "sm") == pytest.approx(28.0)
-    monkeypatch.delenv("JAX_BLINK_HOST_ENGINE", raising=False)
-    assert topo_mod.host_engine() == "sm" and topo_mod.host_path_gbps(gen5, 1, 0) == pytest.approx(28.0)
-    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "ce")
-    assert topo_mod.host_path_gbps(gen5, 1, 0) == pytest.approx(38.0)
-    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "bogus")  # unknown: the default
-    assert topo_mod.host_engine() == "sm"
+    assert topo_mod.host_path_gbps(gen5, 1, 0) == pytest.approx(28.0)
     with pytest.raises(ValueError, match="device 9"):
         topo_mod.host_path_gbps(t, 0, 9)

@@ -851,32 +851,23 @@ std::vector<Case> OneGpuCases(bool quick) {
   cs.back().reverse_launch = true;
   cs.push_back({"1gpu 2r oneshot one element", same(2), DType::kF64, 1, 1, 1, {{0, 3, 0, 1, StarParents(2, 0)}}});
   cs.back().mode = Mode::kOneShot;
-  // Host channel (Blink's hybrid transfer) beside the trees, ranks as streams of one GPU.
-  for (DType d : {DType::kF32, DType::kBF16, DType::kS64})
-    for (int op = 0; op < 3; ++op) {
-      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
-      cs.push_back({"1gpu 2r hybrid " + dn, same(2), d, op, 300001, 1 << 14, SplitStars(2, 300001, Esize(d))});
-      cs.back().mode = Mode::kHybrid;
-    }
-  cs.push_back({"1gpu 2r hybrid f32 real in==out, 3 trees", same(2), DType::kF32, 0, 250007, 4096,
-                {{0, 3, 0, 100000, StarParents(2, 0)}, {1, 3, 100000, 100000, StarParents(2, 1)},
-                 {0, 3, 200000, 50007, StarParents(2, 0)}}, true, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.push_back({"1gpu 2r hybrid all through the host (share 1)", same(2), DType::kF32, 0, 100003, 4096,
-                SplitStars(2, 100003, 4)});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_share = 1.0;
-  // The same through copy engines (side streams, stream memory operations).
-  for (DType d : {DType::kF32, DType::kBF16, DType::kS64}) {
-    cs.push_back({std::string("1gpu 2r hybrid ce ") + cuda::DTypeName(d) + " sum", same(2), d, 0, 300001, 1 << 14,
-                  SplitStars(2, 300001, Esize(d))});
-    cs.back().mode = Mode::kHybrid;
-    cs.back().host_engine = 1;
+  // Host channel (Blink's hybrid transfer) beside the trees, ranks as streams of one GPU, on
+  // each engine (SMs, copy engines: the engine name is in the case's name).
+  for (int engine : {0, 1}) {
+    const std::string hy = engine == 1 ? "1gpu 2r hybrid ce " : "1gpu 2r hybrid ";
+    auto add = [&](Case c) { c.mode = Mode::kHybrid; c.host_engine = engine; cs.push_back(std::move(c)); };
+    for (DType d : {DType::kF32, DType::kBF16, DType::kS64})
+      for (int op = 0; op < 3; ++op)
+        add({hy + cuda::DTypeName(d) + (op == 0 ? " sum" : op == 1 ? " max" : " min"), same(2), d, op, 300001,
+             1 << 14, SplitStars(2, 300001, Esize(d))});
+    add({hy + "f32 real in==out, 3 trees", same(2), DType::kF32, 0, 250007, 4096,
+         {{0, 3, 0, 100000, StarParents(2, 0)}, {1, 3, 100000, 100000, StarParents(2, 1)},
+          {0, 3, 200000, 50007, StarParents(2, 0)}}, true, true});
+    Case all_host{hy + "all through the host (share 1)", same(2), DType::kF32, 0, 100003, 4096,
+                  SplitStars(2, 100003, 4)};
+    all_host.host_share = 1.0;
+    add(all_host);
   }
-  cs.push_back({"1gpu 2r hybrid ce f32 real in==out", same(2), DType::kF32, 0, 250007, 4096, SplitStars(2, 250007, 4),
-                true, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_engine = 1;
   return cs;
 }
 
@@ -931,49 +922,28 @@ std::vector<Case> TwoGpuCases(bool quick) {
                 SplitStars(2, 1 << 17, 2), false, true});
   cs.back().mode = Mode::kLL;
   cs.back().alias_ranks = 2;
-  // Host channel beside NVLink.
-  for (DType d : all)
-    for (int op = 0; op < 3; ++op) {
-      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
-      cs.push_back({"2gpu hybrid " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
-      cs.back().mode = Mode::kHybrid;
-    }
-  cs.push_back({"2gpu hybrid f32 real 64 MiB, share 0.1", dev, DType::kF32, 0, 16 << 20, 512 << 10,
-                SplitStars(2, 16 << 20, 4), false, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_share = 0.1;
-  cs.push_back({"2gpu hybrid bf16 real, rank 0 in==out", dev, DType::kBF16, 0, (1 << 20) + 7, 1 << 16,
-                SplitStars(2, (1 << 20) + 7, 2), false, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().alias_ranks = 1;
-  cs.push_back({"2gpu hybrid all through the host (share 1), 2 host blocks", dev, DType::kF32, 0, 1 << 20, 1 << 16,
-                SplitStars(2, 1 << 20, 4), false, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_share = 1.0;
-  cs.back().host_blocks = 2;
-  // Host channel on copy engines.
-  for (DType d : all)
-    for (int op = 0; op < 3; ++op) {
-      const std::string dn = std::string(cuda::DTypeName(d)) + (op == 0 ? " sum" : op == 1 ? " max" : " min");
-      cs.push_back({"2gpu hybrid ce " + dn, dev, d, op, 1000001, 1 << 15, SplitStars(2, 1000001, Esize(d))});
-      cs.back().mode = Mode::kHybrid;
-      cs.back().host_engine = 1;
-    }
-  cs.push_back({"2gpu hybrid ce f32 real 64 MiB, share 0.12", dev, DType::kF32, 0, 16 << 20, 512 << 10,
-                SplitStars(2, 16 << 20, 4), false, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_share = 0.12;
-  cs.back().host_engine = 1;
-  cs.push_back({"2gpu hybrid ce bf16 real, rank 0 in==out", dev, DType::kBF16, 0, (1 << 20) + 7, 1 << 16,
-                SplitStars(2, (1 << 20) + 7, 2), false, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().alias_ranks = 1;
-  cs.back().host_engine = 1;
-  cs.push_back({"2gpu hybrid ce all through the host (share 1)", dev, DType::kF32, 0, 1 << 20, 1 << 16,
-                SplitStars(2, 1 << 20, 4), true, true});
-  cs.back().mode = Mode::kHybrid;
-  cs.back().host_share = 1.0;
-  cs.back().host_engine = 1;
+  // Host channel beside NVLink, on each engine (SMs, copy engines).
+  for (int engine : {0, 1}) {
+    const std::string hy = engine == 1 ? "2gpu hybrid ce " : "2gpu hybrid ";
+    auto add = [&](Case c) { c.mode = Mode::kHybrid; c.host_engine = engine; cs.push_back(std::move(c)); };
+    for (DType d : all)
+      for (int op = 0; op < 3; ++op)
+        add({hy + cuda::DTypeName(d) + (op == 0 ? " sum" : op == 1 ? " max" : " min"), dev, d, op, 1000001, 1 << 15,
+             SplitStars(2, 1000001, Esize(d))});
+    Case big{hy + "f32 real 64 MiB, share 0.12", dev, DType::kF32, 0, 16 << 20, 512 << 10, SplitStars(2, 16 << 20, 4),
+             false, true};
+    big.host_share = 0.12;
+    add(big);
+    Case alias0{hy + "bf16 real, rank 0 in==out", dev, DType::kBF16, 0, (1 << 20) + 7, 1 << 16,
+                SplitStars(2, (1 << 20) + 7, 2), false, true};
+    alias0.alias_ranks = 1;
+    add(alias0);
+    Case all_host{hy + "all through the host (share 1), both in==out, 2 host blocks", dev, DType::kF32, 0, 1 << 20,
+                  1 << 16, SplitStars(2, 1 << 20, 4), true, true};
+    all_host.host_share = 1.0;
+    all_host.host_blocks = 2;
+    add(all_host);
+  }
   return cs;
 }
 

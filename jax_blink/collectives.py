@@ -267,7 +267,12 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
-    call = jax.ffi.ffi_call(target, result_type, has_side_effect=True)
+    # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
+    # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
+    # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
+    # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
+    # that every rank runs, so the ranks still meet the same calls in the same order.
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
     return call(flat, rank, _group_index(axes), program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),

@@ -48,9 +48,10 @@ def main() -> None:
             v = lax.optimization_barrier(v * 1.0001)
         return v
 
-    def noop_chain():  # XLA's own price of an FFI call: our binding, no work, result aliased to x
+    def noop_chain(side_effect: bool = True):
+        # XLA's own price of an FFI call: our binding, no work, result aliased to x
         call = jax.ffi.ffi_call(_backends.TARGET_NOOP, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                has_side_effect=True, input_output_aliases={0: 0})
+                                has_side_effect=side_effect, input_output_aliases={0: 0})
 
         def body(v):
             for i in range(a.k):
@@ -60,11 +61,26 @@ def main() -> None:
             return v
         return jax.jit(body)
 
+    def bare_chain(side_effect: bool):  # the least binding: one operand, one result, no attributes
+        call = jax.ffi.ffi_call(_backends.TARGET_NOOP_BARE, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                has_side_effect=side_effect, input_output_aliases={0: 0})
+
+        def body(v):
+            for _ in range(a.k):
+                v = call(v)
+            return v
+        return jax.jit(body)
+
     rows = [("XLA elementwise op", jax.jit(xla_ops)),
             ("jax_blink custom call (plain)", chain(_backends.TARGET)),
             ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
-    if _backends.TARGET_NOOP in _backends.module("gpu" if platform == "gpu" else "cpu").registrations():
-        rows.append(("no-op FFI call, same binding", noop_chain()))
+    have = _backends.module("gpu" if platform == "gpu" else "cpu").registrations()
+    if _backends.TARGET_NOOP in have:
+        rows += [("no-op FFI call, same binding", noop_chain()),
+                 ("no-op, same binding, no side effect", noop_chain(False))]
+    if _backends.TARGET_NOOP_BARE in have:
+        rows += [("no-op, bare binding", bare_chain(True)),
+                 ("no-op, bare binding, no side effect", bare_chain(False))]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.k} chained calls, median of {a.runs}")
     for name, fn in rows:
         try:

@@ -13,6 +13,8 @@ TARGET = "jax_blink_collective"
 TARGET_CB = "jax_blink_collective_cb"
 #: Where the executor has it (CUDA): the same binding doing nothing, to measure XLA's price of a call.
 TARGET_NOOP = "jax_blink_noop"
+#: The same with one operand, one result and no attributes: the binding's share of that price.
+TARGET_NOOP_BARE = "jax_blink_noop_bare"
 
 # XLA's platform names for the handlers of each compiled module.
 _MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
@@ -44,8 +46,9 @@ def register(platform: str) -> bool:
         graph = plain
     jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
     jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
-    if TARGET_NOOP in plain:
-        jax.ffi.register_ffi_target(TARGET_NOOP, plain[TARGET_NOOP], platform=xla_platform)
+    for probe in (TARGET_NOOP, TARGET_NOOP_BARE):
+        if probe in plain:
+            jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True
 
 

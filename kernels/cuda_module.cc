@@ -176,6 +176,10 @@ ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ff
   return ffi::Error::Success();
 }
 
+// The same with the least binding XLA allows (one operand, one result, no context, no attributes):
+// what of XLA's price is the binding's (decoding) and what is the thunk's.
+ffi::Error NoOpBare(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
 }  // namespace
 
 #define JAX_BLINK_BINDING                                  \
@@ -196,6 +200,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpCuda, NoOp, JAX_BLINK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpBareCuda, NoOpBare,
+                              xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>());
 
 NB_MODULE(_blink_cuda, m) {
   m.doc() = "jax_blink CUDA executor: the FFI handler of 'jax_blink_collective' for GPUs (peer access).";
@@ -207,13 +213,15 @@ NB_MODULE(_blink_cuda, m) {
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(
             command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
         d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
+        d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
         return d;
       },
       nb::arg("command_buffers") = false,
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='CUDA'). "
       "command_buffers=True gives the handler that claims the command-buffer trait (its first call per "
       "call site must run uncaptured). 'jax_blink_noop' has the same binding and does nothing (alias its "
-      "result to x): XLA's own cost per FFI call, for benchmarks/xla_call_overhead.py.");
+      "result to x): XLA's own cost per FFI call, for benchmarks/xla_call_overhead.py; 'jax_blink_noop_bare' "
+      "the same with one operand, one result and no attributes.");
 
   m.def(
       "check",

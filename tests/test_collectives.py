@@ -3,6 +3,7 @@
 On a machine without GPUs this is the CPU executor over 8 host devices (tests/conftest.py); on
 the GPU machine the same tests run over the GPUs when there are 2 or more.
 """
+import re
 import threading
 
 import jax
@@ -308,7 +309,9 @@ def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
     mesh = _mesh((2, "x"))
     x = _put(mesh, _random(np.random.default_rng(12), (2, 40), "float32"), P("x"))
     text = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x")).lower(x).as_text()
-    assert "host_share = 0.000000e+00 : f32" in text
+    shares = re.findall(r"host_share\s*=\s*([-+0-9.eE]+)", text)
+    calls = [line.strip()[:300] for line in text.splitlines() if "jax_blink" in line]
+    assert shares and all(float(s) == 0.0 for s in shares), calls or text[-2000:]
 
     sw = jax_blink.Topology.preset("nvswitch:2")
     links = [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)]

@@ -183,7 +183,7 @@ constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAt
 // region / kMinOneShotChunk chunks.
 constexpr int64_t kMinOneShotChunk = 4096;
 constexpr int kMaxLLRanks = 8;
-constexpr int64_t kMaxCEChunks = 32;  // per call of a copy-engine host channel (see CreateSiteLocked)
+constexpr int64_t kMaxCEChunks = 8;  // per call of a copy-engine host channel (see CreateSiteLocked)
 
 // Per device, in host-mapped pinned memory: written by the first failing kernel, read by the host.
 struct ErrorRecord {
@@ -1026,8 +1026,10 @@ __device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint
 }
 
 // Mode::kOneShot. Block b owns chunks b, b + grid, ...: it copies chunk c into every peer's inbox
-// and release-flags it there, and reduces chunk c once every peer's flag for c is in, sending
-// chunk c + grid before it waits for c.
+// and release-flags it there, and reduces chunk c once every peer's flag for c is in. Chunk
+// c + grid is stored before the block reduces c and flagged after: a release waits until the
+// block's stores have landed, so flagging c + grid at once would keep the block (and the link's
+// next bytes) idle for the reduce; flagged after it, the link drains c + grid while c is reduced.
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
   using S = typename E::S;
@@ -1041,7 +1043,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
     S* out = static_cast<S*>(p.out);
     const int64_t C = p.os_chunk, total = p.os_elems;
     const int64_t nch = (total + C - 1) / C;
-    auto send = [&](int64_t c) {
+    auto store = [&](int64_t c) {  // chunk c into every peer's inbox, not yet flagged
       const int64_t lo = c * C, len = min(C, total - lo);
       if (tid == 0) {
         int nd = 0;
@@ -1051,7 +1053,9 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
       }
       __syncthreads();
       combine_range<E, Op>(nullptr, in + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), n - 1, len);
-      __syncthreads();  // every thread's stores before the release
+      __syncthreads();  // sh.dst is rewritten by the next store; reduce() reads sh.src only
+    };
+    auto flag = [&](int64_t c) {  // every thread's stores of c are before a __syncthreads() by now
       if (tid == 0)
         for (int dst = 0; dst < n; ++dst)
           if (dst != me) sync::st_release_sys_u64(stg_flags(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + c, tag);
@@ -1074,10 +1078,16 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
       return true;
     };
     int64_t c = blockIdx.x;
-    if (c < nch) send(c);
+    if (c < nch) {
+      store(c);
+      flag(c);
+    }
     for (; c < nch; c += gridDim.x) {
-      if (c + gridDim.x < nch) send(c + gridDim.x);
-      if (!reduce(c)) break;
+      const bool next = c + gridDim.x < nch;
+      if (next) store(c + gridDim.x);
+      const bool ok = reduce(c);  // its __syncthreads(): c + grid's stores are all issued
+      if (next) flag(c + gridDim.x);  // even after a failure: the peer is not left to time out on it
+      if (!ok) break;
     }
   }
   oneshot_end(p, sh);
@@ -1309,6 +1319,9 @@ int64_t EnvBytes(const char* name, int64_t fallback) {
 }
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
+int64_t OneShotChunksPerBlock() {
+  return std::clamp<int64_t>(EnvBytes("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", kDefaultOneShotChunksPerBlock), 1, 64);
+}
 
 // The largest tail of at most `elems` of `total` elements that starts at a multiple of `align`.
 int64_t SliceFromAlignedStart(int64_t total, int64_t elems, int64_t align) {
@@ -1615,7 +1628,8 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
     // receiving side stream that wait for the peer; a stream holds only so many pending operations
     // (about a thousand) before enqueueing blocks the host thread, which may be the one that has
-    // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out).
+    // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out; at 1
+    // GiB through XLA 7 chunks of 16 MiB gave 371 GB/s where 25 of 4 MiB once gave 318).
     if (host.ce && host.elems > 0) {
       host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + align - 1) / align * align);
     }
@@ -1756,8 +1770,11 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
         const int64_t lines = (payload + 7) / 8;
         base.grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
       } else {
-        // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte multiples).
-        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + G - 1) / G, 16));
+        // Chunks: the program's chunk, but small enough to give every block OneShotChunksPerBlock()
+        // of them (>= 4 KiB, 16-byte multiples): with two or more a block reduces one while the
+        // link drains the next.
+        const int64_t per = G * OneShotChunksPerBlock();
+        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + per - 1) / per, 16));
         const int64_t cbytes = std::max<int64_t>(kMinOneShotChunk, AlignUp(std::min<int64_t>(prog.chunk_elems() * esize, spread), 16));
         base.os_chunk = cbytes / esize;
         const int64_t nch = (prog.total_elems() + base.os_chunk - 1) / base.os_chunk;

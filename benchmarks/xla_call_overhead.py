@@ -32,13 +32,14 @@ def main() -> None:
     program = schedule.encode(schedule.Schedule(1, a.elems, a.elems, ()))
     x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
 
-    def chain(target):
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
+    def chain(target, side_effect: bool = False):  # collectives.py makes no side-effect mark
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=side_effect)
 
         def body(v):
             for i in range(a.k):
                 v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                         comm_id=np.int64(10_000_000 + 1000 * (target == _backends.TARGET_CB) + i),
+                         comm_id=np.int64(10_000_000 + 1000 * (target == _backends.TARGET_CB)
+                                         + 2000 * side_effect + i),
                          timeout_ms=np.int64(10_000), host_share=np.float32(0))
             return v
         return jax.jit(body)
@@ -73,6 +74,7 @@ def main() -> None:
 
     rows = [("XLA elementwise op", jax.jit(xla_ops)),
             ("jax_blink custom call (plain)", chain(_backends.TARGET)),
+            ("jax_blink custom call, side effect", chain(_backends.TARGET, True)),
             ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
     have = _backends.module("gpu" if platform == "gpu" else "cpu").registrations()
     if _backends.TARGET_NOOP in have:

@@ -192,6 +192,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.size, args.dtype, args.plot)
 
 
+def cmd_crossover(args: argparse.Namespace) -> int:
+    from .tuning import derive
+
+    c = derive(args.runs)
+    print(f"# derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
+          "paste into jax_blink/tuning.py CROSSOVERS")
+    print(f"Crossover({c.device_kind!r}, {c.ranks}, {c.lax_ranges!r}, (")
+    for src in c.sources:
+        print(f"    {src!r},")
+    print("))")
+    for lo, hi in c.lax_ranges:
+        print(f"# lax.psum for {lo} <= bytes per rank" + (f" < {hi}" if hi is not None else ""))
+    if not c.lax_ranges:
+        print("# no size goes to lax.psum: the executor won or tied somewhere at every size")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -215,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"])
     pd.add_argument("--plot", default=None, metavar="PNG", help="draw the all-reduce trees to this file")
     pd.set_defaults(func=cmd_demo)
+
+    pc = sub.add_parser("crossover", help="derive the psum dispatch entry (jax_blink/tuning.py) from bench runs")
+    pc.add_argument("runs", nargs="+", metavar="JSON",
+                    help="all-reduce bench results (python -m jax_blink.bench -o DIR) of one machine")
+    pc.set_defaults(func=cmd_crossover)
     return parser
 
 

@@ -1,7 +1,9 @@
 """``python -m jax_blink.bench``: our collectives against XLA's, side by side, nccl-tests style.
 
 For each size: K chained calls inside one jitted program (the output of one call feeds the next),
-timed over several runs after a warm-up; the median divided by K is the time per call. ``algbw`` is
+timed over several runs after a warm-up, ours and lax taking turns run by run (at least ``-r``
+runs, more until each has run ``--min-time`` seconds: small sizes get hundreds); the median
+divided by K is the time per call. ``algbw`` is
 bytes / time and ``busbw`` is algbw * 2(n-1)/n for all-reduce (nccl-tests' definitions). Every size
 is also checked: one call of ours against one of ``lax.psum`` on fresh random data, and ``#wrong``
 counts the elements that differ by more than rounding (or that differ between ranks).
@@ -92,6 +94,28 @@ def run_times(fn, x, runs: int) -> list[float]:
         t0 = time.perf_counter()
         fn(x).block_until_ready()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_times(fns: list, x, runs: int, min_seconds: float = 0.0,
+                      max_runs: int = 200) -> list[list[float]]:
+    """Wall times of each of ``fns`` on ``x``, the functions taking turns (one run each per round,
+    the order reversed every other round) so that a drift of the machine falls on all of them
+    alike. After compiling and one warm-up run each: at least ``runs`` rounds, and more (up to
+    ``max_runs``) until every function has run for ``min_seconds`` in all: small sizes, whose
+    programs take microseconds and whose times scatter most, get many more samples for free."""
+    for fn in fns:
+        fn(x).block_until_ready()  # compile + warm up
+        fn(x).block_until_ready()
+    times: list[list[float]] = [[] for _ in fns]
+    rounds = 0
+    while rounds < runs or (rounds < max_runs and min(sum(t) for t in times) < min_seconds):
+        order = range(len(fns)) if rounds % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            t0 = time.perf_counter()
+            fns[i](x).block_until_ready()
+            times[i].append(time.perf_counter() - t0)
+        rounds += 1
     return times
 
 
@@ -215,7 +239,7 @@ def _trial_log(res: autotune.MiadResult) -> str:
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
         ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None,
-        tune_chunks: bool = False) -> list[dict]:
+        tune_chunks: bool = False, min_seconds: float = 0.2) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -238,7 +262,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     rng = np.random.default_rng(0)
     rows = []
     print(f"# jax_blink.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
-          f"{jax.__version__}, {k} chained calls, median of {runs}")
+          f"{jax.__version__}, {k} chained calls, median of {runs}+ runs (more until {min_seconds:g} s per variant), "
+          f"ours and lax taking turns")
     print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
           f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7} {'spread%':>9}"
           + (f" {'cb(us)':>9}" if command_buffers else "")
@@ -256,15 +281,18 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             host = rng.standard_normal((n * count,)).astype(np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
-            times_ours, times_psum = run_times(ours_fn, x, runs), run_times(psum_fn, x, runs)
+            # Ours and lax (and the K2-call programs) take turns, run by run: see interleaved_times.
+            fns = [ours_fn, psum_fn] + ([ours2_fn, psum2_fn] if slope_k else [])
+            timed = interleaved_times(fns, x, runs, min_seconds)
+            times_ours, times_psum = timed[0], timed[1]
             t_ours = statistics.median(times_ours) / k
             t_psum = statistics.median(times_psum) / k
             t_cb = _time_or_error(cb_fn, x, runs) / k if cb_fn else float("nan")
             s_ours = s_psum = float("nan")
             if slope_k:
                 d = slope_k - k
-                s_ours = (median_time(ours2_fn, x, runs) - t_ours * k) / d
-                s_psum = (median_time(psum2_fn, x, runs) - t_psum * k) / d
+                s_ours = (statistics.median(timed[2]) - t_ours * k) / d
+                s_psum = (statistics.median(timed[3]) - t_psum * k) / d
             tuned = autotune.tune_chunk(collective, x, mesh, "x", k=k, runs=runs) if tune_chunks else None
             size = count * jnp.dtype(dtype).itemsize * coll.size_factor(n)
             bus = coll.bus_factor(n)
@@ -274,7 +302,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
                        spread=spread(times_ours), lax_spread=spread(times_psum),
                        cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
-                       slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"))
+                       slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"), runs=len(times_ours))
             # Tuned: throughput is this row's size per second (autotune.tune_chunk), so size / it is
             # the time per call at the tuned chunk.
             t_tuned = size / tuned.throughput if tuned and tuned.throughput > 0 else float("nan")
@@ -308,6 +336,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             w.writeheader()
             w.writerows(rows)
         meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
+                    min_seconds=min_seconds, collective=collective,
                     date=_dt.date.today().isoformat(), staging_bytes=staging, host_bytes=host_bytes,
                     chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks)
         with open(stem + ".json", "w") as f:
@@ -360,7 +389,9 @@ def main(argv=None) -> int:
     ap.add_argument("-f", "--factor", type=int, default=4, help="size step factor (default 4)")
     ap.add_argument("-d", "--dtype", default="float32,bfloat16", help="comma-separated dtypes")
     ap.add_argument("-k", "--chain", type=int, default=20, help="chained calls per program (default 20)")
-    ap.add_argument("-r", "--runs", type=int, default=5, help="timed runs per size (default 5)")
+    ap.add_argument("-r", "--runs", type=int, default=5, help="timed runs per size, at least (default 5)")
+    ap.add_argument("--min-time", type=float, default=0.2, metavar="S",
+                    help="more runs (up to 200) until each variant has run S seconds per size (default 0.2)")
     ap.add_argument("-o", "--out", default=None, help="folder for the CSV/JSON table")
     ap.add_argument("--kind", default=None, help="device kind for the file name")
     ap.add_argument("--ceiling", type=float, default=None,
@@ -384,7 +415,7 @@ def main(argv=None) -> int:
         return 0
     rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
                a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective, a.slope,
-               a.tune_chunks)
+               a.tune_chunks, a.min_time)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

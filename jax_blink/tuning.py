@@ -1,37 +1,107 @@
 """When jax_blink's executor is the faster choice, from measurements (not guesses).
 
 ``all_reduce`` hands a call to ``lax.psum`` where XLA's own collective was measured faster on the
-same kind of machine (``python -m jax_blink.bench``, files under ``benchmarks/results/``). Each entry
-names the run it comes from; a machine that is not listed always uses the executor.
+same kind of machine. Each entry of :data:`CROSSOVERS` is derived by :func:`derive` from bench
+results kept in the repository (``python -m jax_blink.bench -o benchmarks/results``, its JSON
+files), and a test derives every entry again from the files it cites: the table cannot drift from
+its evidence. A machine that is not listed always uses the executor.
+
+To make or refresh an entry after a bench run::
+
+    python -m jax_blink crossover benchmarks/results/allreduce-<kind>-<date>.json [more runs ...]
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class Crossover:
-    """On ``ranks`` devices of ``device_kind``, the executor wins for operands of at least
-    ``min_bytes`` bytes per rank (and up to ``max_bytes``, when given)."""
+    """On ``ranks`` devices of ``device_kind``, ``lax.psum`` was measured faster for per-rank sizes
+    in the half-open byte ranges ``lax_ranges`` (``[lo, hi)``, ``hi`` None: no upper end); the
+    executor everywhere else. ``sources`` are the bench JSON files it is derived from."""
 
     device_kind: str
     ranks: int
-    min_bytes: int
-    max_bytes: int | None
-    source: str
+    lax_ranges: tuple[tuple[int, int | None], ...]
+    sources: tuple[str, ...]
+
+    def prefers_lax(self, nbytes: int) -> bool:
+        return any(lo <= nbytes and (hi is None or nbytes < hi) for lo, hi in self.lax_ranges)
 
 
-# benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.csv (executor 0.3.0, one-shot kernels
-# up to 8 MiB): float32 and bfloat16, 1 KiB-1 GiB, 20 chained calls, median of 7, and the marginal
-# cost of a call between 20 and 100 chained calls (--slope 100). By the marginal cost the executor
-# was faster at 21 of 22 points (1.03x-3.0x; f32 1 KiB 0.85x); by the 20-call totals it was faster
-# at 17 of 22, and the 5 others (0.69x-0.95x, all <= 1 MiB) are points that flip between runs
-# (results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.csv had other ones below 1). So no
-# size goes to psum on this machine any more. (Executor 0.2.0 lost below 16 MiB: the entry then
-# said min_bytes=16 MiB.)
+def _lax_won(row: dict) -> bool:
+    """psum was faster at this row by the 20-call time and, where measured, by the marginal cost."""
+    slope = float(row.get("slope_speedup", "nan"))
+    return float(row["speedup"]) < 1.0 and (math.isnan(slope) or slope < 1.0)
+
+
+def derive(sources: Sequence[str], root: str = ".") -> Crossover:
+    """The crossover entry that the all-reduce bench runs ``sources`` (JSON files written by
+    ``python -m jax_blink.bench -o DIR``; paths relative to ``root``) support.
+
+    A size goes to ``lax.psum`` only if psum won there in every run and every dtype, by the 20-call
+    time and (where the run has it) the marginal cost of a call: below a few hundred KiB both
+    measures move by tens of percent between runs, and a dispatch rule must not follow that noise.
+    Between two measured sizes the boundary is their geometric mean; below the smallest and above
+    the largest size measured the nearest measured size decides.
+
+    Raises ValueError when the runs disagree on the machine (device kind, rank count), when one
+    is not an all-reduce run, or when they share no size.
+    """
+    if not sources:
+        raise ValueError("derive() needs at least one bench JSON file")
+    kinds, won_everywhere, measured = set(), None, None
+    for src in sources:
+        if not os.path.basename(src).startswith("allreduce-"):
+            raise ValueError(f"{src}: not an all-reduce bench run (its name starts with the collective)")
+        try:
+            with open(os.path.join(root, src)) as f:
+                doc = json.load(f)
+            meta, rows = doc["meta"], doc["rows"]
+            kinds.add((meta["device_kind"], int(meta["n"])))
+            sizes = {int(r["size"]) for r in rows}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{src}: not a readable bench result (python -m jax_blink.bench -o DIR writes "
+                             f"one): {type(e).__name__}: {e}") from None
+        won = {s for s in sizes if all(_lax_won(r) for r in rows if int(r["size"]) == s)}
+        measured = sizes if measured is None else measured & sizes
+        won_everywhere = won if won_everywhere is None else won_everywhere & won
+    if len(kinds) != 1:
+        raise ValueError(f"the runs are of different machines: {sorted(kinds)}; derive one entry per machine")
+    if not measured:
+        raise ValueError("the runs share no size")
+    order = sorted(measured)
+    lax = [s in won_everywhere for s in order]
+    ranges, i = [], 0
+    while i < len(order):
+        if not lax[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(order) and lax[j + 1]:
+            j += 1
+        lo = 0 if i == 0 else round(math.sqrt(order[i - 1] * order[i]))
+        hi = None if j == len(order) - 1 else round(math.sqrt(order[j] * order[j + 1]))
+        ranges.append((lo, hi))
+        i = j + 1
+    (kind, n), = kinds
+    return Crossover(kind, n, tuple(ranges), tuple(sources))
+
+
+# Executor 0.4.x on 2 x H200: three all-reduce runs, 1 KiB-1 GiB, 20 chained calls and the marginal
+# cost between 20 and 100 (float32 and bfloat16 in the v0.3 runs, float32 in v0.4). psum won by both
+# measures at one point of one run (float32 64 KiB in v0.4: 0.92x, 0.68x) and lost there in the
+# others (1.47x/1.41x and 0.98x/1.21x), so no size goes to psum. (Executor 0.2.0 lost below 16 MiB.)
 CROSSOVERS: tuple[Crossover, ...] = (
-    Crossover("NVIDIA H200", 2, 0, None,
-              "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.csv"),
+    Crossover("NVIDIA H200", 2, (), (
+        "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.json",
+        "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.json",
+        "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.4.json")),
 )
 
 
@@ -39,5 +109,6 @@ def prefer_lax(device_kind: str | None, ranks: int, nbytes: int) -> bool:
     """True when ``lax.psum`` was measured faster than the executor for this call."""
     for c in CROSSOVERS:
         if c.device_kind == device_kind and c.ranks == ranks:
-            return nbytes < c.min_bytes or (c.max_bytes is not None and nbytes > c.max_bytes)
+            return c.prefers_lax(nbytes)
     return False
+

@@ -1029,7 +1029,8 @@ __device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint
 // and release-flags it there, and reduces chunk c once every peer's flag for c is in. Chunk
 // c + grid is stored before the block reduces c and flagged after: a release waits until the
 // block's stores have landed, so flagging c + grid at once would keep the block (and the link's
-// next bytes) idle for the reduce; flagged after it, the link drains c + grid while c is reduced.
+// next bytes) idle for the reduce; flagged after it, the link drains c + grid while c is reduced
+// (the intent; not yet measured on NVLink: benchmarks/NOTES.md change 6).
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
   using S = typename E::S;
@@ -2222,7 +2223,7 @@ std::vector<CommInfo> Comms() {
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.4.0 (program format v1; one-shot all-reduce through a staging inbox "
+  return "jax_blink CUDA executor 0.4.1 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
          "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink)";
 }

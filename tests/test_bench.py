@@ -13,13 +13,16 @@ from jax_blink import bench
 @pytest.mark.parametrize("collective", sorted(bench.COLLECTIVES))
 def test_bench_runs_checks_and_writes(tmp_path, collective):
     rc = bench.main(["-c", collective, "-b", "1K", "-e", "4K", "-f", "4", "-d", "float32",
-                     "-k", "2", "-r", "1", "-o", str(tmp_path), "--kind", "test"])
+                     "-k", "2", "-r", "1", "--min-time", "0", "-o", str(tmp_path), "--kind", "test"])
     assert rc == 0  # nonzero when any element was wrong
     (path,) = tmp_path.glob(f"{collective}-test-*.csv")
     rows = list(csv.DictReader(open(path)))
     assert [int(r["wrong"]) for r in rows] == [0, 0]
     assert all(float(r["time_us"]) > 0 and float(r["lax_time_us"]) > 0 for r in rows)
     assert all(float(r["spread"]) >= 0 and float(r["lax_spread"]) >= 0 for r in rows)
+    assert all(int(r["runs"]) == 1 for r in rows)
+    meta = json.loads(path.with_suffix(".json").read_text())["meta"]
+    assert meta["collective"] == collective and meta["min_seconds"] == 0
     assert path.with_suffix(".png").stat().st_size > 0
 
 
@@ -58,7 +61,7 @@ def test_bench_tune_chunks_adds_tuned_columns(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
 def test_bench_without_tune_chunks_has_nan_tuned_columns(capsys):
-    rows = bench.run(4096, 4096, 4, ["float32"], 2, 1, None, None)
+    rows = bench.run(4096, 4096, 4, ["float32"], 2, 1, None, None, min_seconds=0)
     assert all(r["tuned_chunk"] != r["tuned_chunk"] and r["tuned_time_us"] != r["tuned_time_us"]
                for r in rows)  # NaN, as cb_time_us without --command-buffers
     assert "miad" not in capsys.readouterr().out
@@ -86,3 +89,36 @@ def test_host_bytes_is_the_largest_communicator_and_tolerates_an_older_module(mo
     assert bench._host_bytes() == 5 << 20
     fake.comms = lambda: []
     assert bench._host_bytes() == 0
+
+
+class _FakeProgram:
+    """Stands in for a jitted program: records its calls in a shared log, sleeps ``seconds``."""
+
+    def __init__(self, name, log, seconds=0.0):
+        self.name, self.log, self.seconds = name, log, seconds
+
+    def __call__(self, x):
+        import time
+
+        self.log.append(self.name)
+        time.sleep(self.seconds)
+        return self
+
+    def block_until_ready(self):
+        return self
+
+
+def test_interleaved_times_take_turns_and_run_small_programs_longer():
+    log = []
+    a, b = _FakeProgram("a", log), _FakeProgram("b", log)
+    times = bench.interleaved_times([a, b], None, runs=3)
+    assert [len(t) for t in times] == [3, 3]
+    # two warm-up calls each, then a b | b a | a b: the order flips every round
+    assert log == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b"]
+    # min_seconds: more rounds until each has run that long in all, at most max_runs
+    log.clear()
+    slow = _FakeProgram("s", log, 0.002)
+    times = bench.interleaved_times([slow], None, runs=2, min_seconds=0.02)
+    assert len(times[0]) > 2 and sum(times[0]) >= 0.02 > sum(times[0][:-1])  # stops once reached
+    times = bench.interleaved_times([_FakeProgram("f", [], 0.001)], None, runs=2, min_seconds=10, max_runs=7)
+    assert len(times[0]) == 7

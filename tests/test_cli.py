@@ -114,3 +114,17 @@ def test_demo_runs_all_reduce_against_psum(tmp_path, capsys):
     assert "results agree with lax.psum" in out
     assert "jax_blink.all_reduce" in out and "lax.psum" in out
     assert png.stat().st_size > 0
+
+
+def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
+    """`crossover` on the runs an entry cites prints that entry, in the form tuning.py holds."""
+    from jax_blink import tuning
+
+    monkeypatch.chdir(ROOT)
+    entry = tuning.CROSSOVERS[0]
+    assert main(["crossover", *entry.sources]) == 0
+    out = capsys.readouterr().out
+    code = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
+    assert eval(code, {"Crossover": tuning.Crossover}) == entry  # noqa: S307 (our own output)
+    assert main(["crossover", "benchmarks/results/plan_time-cpu-2026-11-22.txt"]) == 2
+    assert "not an all-reduce bench run" in capsys.readouterr().err

@@ -3,6 +3,8 @@
 On a machine without GPUs this is the CPU executor over 8 host devices (tests/conftest.py); on
 the GPU machine the same tests run over the GPUs when there are 2 or more.
 """
+import json
+import os
 import re
 import threading
 
@@ -368,12 +370,12 @@ def test_dispatch_picks_lax_or_the_executor():
         assert "jax_blink_collective" in lowered()
     finally:
         jax_blink.config.dispatch = old
-    # The measured table: on 2 H200s (executor 0.3.0) every size goes to the executor.
+    # The measured table: on 2 H200s (executor 0.4) every size goes to the executor.
     assert not tuning.prefer_lax("NVIDIA H200", 2, 1024)
     assert not tuning.prefer_lax("NVIDIA H200", 2, 64 << 20)
     assert not tuning.prefer_lax("some other GPU", 2, 4096)
-    # The rule itself, on an entry with a window.
-    entry = tuning.Crossover("Some GPU", 4, 1 << 20, 1 << 30, "test")
+    # The rule itself, on an entry with two windows.
+    entry = tuning.Crossover("Some GPU", 4, ((0, 1 << 20), (1 << 30, None)), ("test",))
     monkey = (entry,) + tuning.CROSSOVERS
     old_table, tuning.CROSSOVERS = tuning.CROSSOVERS, monkey
     try:
@@ -383,6 +385,71 @@ def test_dispatch_picks_lax_or_the_executor():
         assert not tuning.prefer_lax("Some GPU", 2, 4096)  # another rank count: not listed
     finally:
         tuning.CROSSOVERS = old_table
+
+
+def _bench_json(path, kind, n, points):
+    """A bench result file: points are (size, dtype, speedup, slope_speedup or None)."""
+    rows = [dict(size=s, dtype=d, n=n, speedup=t, **({} if sl is None else {"slope_speedup": sl}))
+            for s, d, t, sl in points]
+    path.write_text(json.dumps(dict(meta=dict(device_kind=kind, n=n), rows=rows)))
+    return str(path)
+
+
+def test_crossover_entries_derive_from_the_runs_they_cite():
+    """Every dispatch entry is what tuning.derive makes of the bench files it cites: the table
+    cannot drift from its evidence, and the files must be in the repository."""
+    from jax_blink import tuning
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    assert tuning.CROSSOVERS
+    for entry in tuning.CROSSOVERS:
+        assert tuning.derive(entry.sources, root=root) == entry
+
+
+def test_derive_sends_a_size_to_psum_only_where_it_won_every_run(tmp_path):
+    from jax_blink import tuning
+
+    K = 1 << 10
+    a = _bench_json(tmp_path / "allreduce-a.json", "GPU X", 2, [
+        (1 * K, "float32", 0.8, 0.9),     # psum won by both measures
+        (4 * K, "float32", 0.8, 1.3),     # the measures disagree: ours
+        (16 * K, "float32", 0.9, None),   # no slope in this run: the 20-call time decides
+        (16 * K, "bfloat16", 0.95, 0.7),
+        (64 * K, "float32", 0.7, 0.7),
+        (256 * K, "float32", 1.2, 1.1),
+        (1024 * K, "float32", 0.9, 0.9)])
+    c = tuning.derive([a])
+    assert c.device_kind == "GPU X" and c.ranks == 2 and c.sources == (a,)
+    assert c.lax_ranges == ((0, 2 * K), (8 * K, 128 * K), (512 * K, None))
+    assert c.prefers_lax(0) and c.prefers_lax(2 * K - 1) and not c.prefers_lax(2 * K)
+    assert c.prefers_lax(100 * K) and not c.prefers_lax(300 * K) and c.prefers_lax(1 << 40)
+    # A second run where ours won at 64 KiB: that size goes back to the executor.
+    b = _bench_json(tmp_path / "allreduce-b.json", "GPU X", 2, [
+        (s * K, "float32", 1.1 if s == 64 else 0.5, None) for s in (1, 4, 16, 64, 256, 1024)])
+    assert tuning.derive([a, b]).lax_ranges == ((0, 2 * K), (8 * K, 32 * K), (512 * K, None))
+    # One dtype that lost is enough to keep a size on the executor.
+    c2 = _bench_json(tmp_path / "allreduce-c.json", "GPU X", 2, [
+        (1 * K, "float32", 0.5, 0.5), (1 * K, "bfloat16", 1.01, 0.5), (4 * K, "float32", 1.5, 1.5)])
+    assert tuning.derive([c2]).lax_ranges == ()
+
+
+def test_derive_rejects_mixed_or_foreign_files(tmp_path):
+    from jax_blink import tuning
+
+    a = _bench_json(tmp_path / "allreduce-a.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
+    b = _bench_json(tmp_path / "allreduce-b.json", "GPU X", 4, [(1024, "float32", 0.5, None)])
+    with pytest.raises(ValueError, match="different machines"):
+        tuning.derive([a, b])
+    c = _bench_json(tmp_path / "broadcast-c.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
+    with pytest.raises(ValueError, match="not an all-reduce bench run"):
+        tuning.derive([c])
+    with pytest.raises(ValueError, match="not a readable bench result"):
+        tuning.derive([str(tmp_path / "allreduce-missing.json")])
+    (tmp_path / "allreduce-bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a readable bench result"):
+        tuning.derive([str(tmp_path / "allreduce-bad.json")])
+    with pytest.raises(ValueError, match="at least one"):
+        tuning.derive([])
 
 
 def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):

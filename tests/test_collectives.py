@@ -307,13 +307,18 @@ def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
     from jax_blink import collectives as C
     from jax_blink.treegen import hybrid_share
 
-    # Every call carries the attribute (0 here: CPU host devices have no second channel).
+    # Every call carries the attribute: 0 on CPU host devices (no second channel); on GPUs the
+    # plan's share for the devices here (the executor applies it from JAX_BLINK_HOST_MIN_BYTES).
     mesh = _mesh((2, "x"))
     x = _put(mesh, _random(np.random.default_rng(12), (2, 40), "float32"), P("x"))
+    monkeypatch.setattr(jax_blink.config, "dispatch", "blink")  # the executor's call, whatever tuning says
     text = _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x")).lower(x).as_text()
+    platform = C._platform()
+    here = C._host_share(platform, C._topology_for(2, platform, None), "allreduce", None, "exact")
+    assert platform != "cpu" or here == 0.0
     shares = re.findall(r"host_share\s*=\s*([-+0-9.eE]+)", text)
     calls = [line.strip()[:300] for line in text.splitlines() if "jax_blink" in line]
-    assert shares and all(float(s) == 0.0 for s in shares), calls or text[-2000:]
+    assert shares and all(float(s) == pytest.approx(here, abs=1e-6) for s in shares), calls or text[-2000:]
 
     sw = jax_blink.Topology.preset("nvswitch:2")
     links = [(u, v, d["capacity"], d["kind"]) for u, v, d in sw.graph.edges(data=True)]

@@ -382,6 +382,16 @@ def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> Non
     plt.close(fig)
 
 
+def _collectives_arg(text: str) -> list[str]:
+    """'all' or comma-separated names -> the collectives to run, all-reduce first."""
+    names = list(COLLECTIVES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in COLLECTIVES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown collective {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(COLLECTIVES)} or all")
+    return sorted(dict.fromkeys(names), key=list(COLLECTIVES).index)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_blink.bench", description=__doc__.splitlines()[0])
     ap.add_argument("-b", "--begin", default="1K", help="smallest size per rank (default 1K)")
@@ -398,8 +408,9 @@ def main(argv=None) -> int:
                     help="measured link ceiling in GB/s, drawn into the plot (2 x H200: 364)")
     ap.add_argument("--plot-only", default=None, metavar="CSV",
                     help="only draw the plot of an earlier run's CSV (beside it, .png)")
-    ap.add_argument("-c", "--collective", default="allreduce", choices=sorted(COLLECTIVES),
-                    help="which collective (default allreduce)")
+    ap.add_argument("-c", "--collective", default="allreduce", type=_collectives_arg, metavar="NAMES",
+                    help="comma-separated collectives, or 'all' (all-reduce first, then "
+                         f"{', '.join(c for c in COLLECTIVES if c != 'allreduce')}); default allreduce")
     ap.add_argument("--command-buffers", action="store_true",
                     help="also time the handler that XLA may capture in CUDA graphs (column cb)")
     ap.add_argument("--slope", type=int, default=None, metavar="K2",
@@ -413,10 +424,13 @@ def main(argv=None) -> int:
     if a.plot_only:
         plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
         return 0
-    rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
-               a.runs, a.out, a.kind, a.command_buffers, a.ceiling, a.collective, a.slope,
-               a.tune_chunks, a.min_time)
-    return 1 if any(r["wrong"] for r in rows) else 0
+    wrong = 0
+    for collective in a.collective:  # one table (and one set of files) per collective
+        rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
+                   a.runs, a.out, a.kind, a.command_buffers, a.ceiling, collective, a.slope,
+                   a.tune_chunks, a.min_time)
+        wrong += sum(r["wrong"] for r in rows)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

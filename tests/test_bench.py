@@ -26,6 +26,26 @@ def test_bench_runs_checks_and_writes(tmp_path, collective):
     assert path.with_suffix(".png").stat().st_size > 0
 
 
+def test_collectives_argument_runs_all_reduce_first():
+    import argparse
+
+    assert bench._collectives_arg("all")[0] == "allreduce"
+    assert set(bench._collectives_arg("all")) == set(bench.COLLECTIVES)
+    assert bench._collectives_arg("reduce, allreduce,reduce") == ["allreduce", "reduce"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown collective gather"):
+        bench._collectives_arg("allreduce,gather")
+    with pytest.raises(SystemExit):
+        bench.main(["-c", "psum"])
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
+def test_bench_all_writes_one_table_per_collective(tmp_path):
+    rc = bench.main(["-c", "all", "-b", "1K", "-e", "1K", "-d", "float32", "-k", "2", "-r", "1",
+                     "--min-time", "0", "-o", str(tmp_path), "--kind", "test"])
+    assert rc == 0
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.csv")) == sorted(bench.COLLECTIVES)
+
+
 def test_parse_size():
     assert bench.parse_size("1K") == 1024
     assert bench.parse_size("64M") == 64 << 20

@@ -1,0 +1,973 @@
+// Device side of the CUDA executor: the layouts it shares with the host (ErrorRecord, the plan's
+// Unit / TreeRank records, Params), element types and ops, the combine loops, and the kernels
+// (tree, LL, one-shot) with KernelFor(). The protocol they run is described at the top of
+// cuda_executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_executor.h"
+#include "device_sync.cuh"
+#include "program.h"
+
+namespace jax_blink::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+constexpr int kMaxRanks = 64;
+constexpr int kMaxDevices = 64;
+constexpr int64_t kMaxUnits = 1 << 16;
+constexpr int64_t kMaxPieceBytes = 4 << 20;
+constexpr int kNumOps = 3;
+
+// Error kinds (ErrorRecord::kind).
+constexpr int kErrTimeout = 1, kErrAhead = 2, kErrAborted = 3, kErrMismatch = 4;
+// Where a wait was (ErrorRecord::phase).
+constexpr int kAtPointers = 0, kAtReduce = 1, kAtBroadcast = 2, kAtExit = 3, kAtOneShot = 4, kAtHost = 5;
+// One-shot chunks: no smaller than this (flag cost), and the inbox keeps flags for at most
+// region / kMinOneShotChunk chunks.
+constexpr int64_t kMinOneShotChunk = 4096;
+constexpr int kMaxLLRanks = 8;
+constexpr int64_t kMaxCEChunks = 8;  // per call of a copy-engine host channel (see CreateSiteLocked)
+
+// Per device, in host-mapped pinned memory: written by the first failing kernel, read by the host.
+struct ErrorRecord {
+  volatile int32_t ready;
+  int32_t kind, device, rank, nranks, peer, tree, phase;
+  int64_t chunk, elem_offset, comm_id, timeout_ms;
+  uint32_t seq, observed;
+};
+
+struct Unit {
+  int64_t off;   // first element
+  int32_t len;   // elements
+  int32_t tree;
+};
+
+struct TreeRank {  // tree t as rank r sees it
+  int64_t seg_offset;
+  int32_t parent;          // -1: root
+  int32_t phases;
+  int32_t kid_begin, kid_count;  // into kids[]: rank | (is_leaf << 16), ascending rank
+  int32_t leaf;            // no children
+  int32_t push_up;         // reduce phase, not the root, and the parent's only child: this rank
+                           // pushes its reduce result into the parent's `out` (unless the
+                           // parent's in == out in this call: then the parent pulls)
+  int32_t kid_push;        // reduce phase and exactly one child: that child pushes into `out`
+                           // (unless in == out in this call: then this rank pulls)
+};
+
+struct Params {
+  uint8_t* site;  // this rank's site block
+  const void* in;
+  void* out;
+  uint64_t timeout_ns;
+  uint32_t* dev_claim;  // device memory: nonzero once a kernel on this device failed
+  ErrorRecord* rec;     // host-mapped
+  int64_t comm_id;
+  int64_t chunk_elems;
+  int64_t timeout_ms;
+  uint32_t off_blk_seq, off_ptr_flag, off_abort, off_ptr_in, off_ptr_out, off_inbox;
+  uint32_t off_units, off_trees, off_kids, off_gaps, off_peer_base;
+  int32_t rank, nranks, nunits, ngaps, device, grid;
+  // One-shot modes: this rank's staging block of the communicator (layout: peers' staging bases
+  // [n] u64 at 0, call counters [stg_blocks] u32, flags [2][n-1][stg_max_chunks] u64, data
+  // [2][n-1][stg_region] bytes).
+  uint8_t* stg;
+  uint64_t stg_off_seq, stg_off_flags, stg_off_data, stg_region;
+  int64_t stg_max_chunks;
+  int32_t stg_blocks;  // counters kept in step (the communicator's grid)
+  uint32_t os_site;    // the call site's tag (low bits of comm_id)
+  int64_t os_elems;    // the operand's elements
+  int64_t os_chunk;    // kOneShot: elements per chunk
+  // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
+  // host_elems) through pinned host memory (2 ranks). The communicator's host channel: this
+  // rank's outbox and the peer's, each two parity slots of host_slot bytes (device pointers of
+  // mapped memory), and per rank a control block in device memory: call counters [hctl_blocks]
+  // u32, then chunk flags [2][host_max_chunks] u32 (written by the peer).
+  uint8_t* host_mine;
+  const uint8_t* host_peer;
+  uint32_t* hctl_mine;
+  uint32_t* hctl_peer;
+  int64_t host_off, host_elems, host_chunk, host_max_chunks;
+  uint64_t host_slot;
+  int32_t hctl_blocks;
+  int32_t host_blocks;
+  // Copy-engine host channel (host_ce): the copies and their flags are enqueued by Launch on side
+  // streams; the host blocks only wait for each landed chunk (landed flags [2][host_max_chunks]
+  // in the control block, after the counters) and reduce it from `stage` (device memory). kh is
+  // the communicator's hybrid call number, counted on the host (so: no graph replay). On failure
+  // they write `ready` (pinned host flags [2][host_max_chunks], what the side stream's copies wait
+  // for) so that no stream waits forever.
+  int32_t host_ce;
+  uint32_t host_kh;
+  const uint8_t* stage;
+  uint32_t* ready_mine;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element types (storage S, accumulator A) and ops.
+
+struct EF32 { using S = float; using A = float;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct EF64 { using S = double; using A = double;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct ES32 { using S = int32_t; using A = int32_t;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct ES64 { using S = int64_t; using A = int64_t;
+  __device__ static A load(S v) { return v; } __device__ static S store(A a) { return a; } };
+struct EBF16 { using S = uint16_t; using A = float;
+  __device__ static A load(S v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+  __device__ static S store(A a) {  // round to nearest even, NaN stays quiet NaN (as ml_dtypes)
+    uint32_t u = __float_as_uint(a);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<S>((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<S>(u >> 16);
+  } };
+struct EF16 { using S = uint16_t; using A = float;
+  __device__ static A load(S v) { return __half2float(__ushort_as_half(v)); }
+  __device__ static S store(A a) { return __half_as_ushort(__float2half_rn(a)); } };
+
+// numpy's semantics, as the CPU executor: NaN propagates, ties keep the first operand.
+struct OpSum { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else { return a + b; } } };
+struct OpMax { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_floating_point_v<A>) return (a >= b || a != a) ? a : b;
+  else return a >= b ? a : b; } };
+struct OpMin { template <class A> __device__ static A apply(A a, A b) {
+  if constexpr (std::is_floating_point_v<A>) return (a <= b || a != a) ? a : b;
+  else return a <= b ? a : b; } };
+
+// Loads that bypass L1: ld.global.cg (peer data), or with kCv ld.global.cv (pinned host memory
+// that another GPU wrote: a line of it cached on this GPU from an earlier call is never used).
+template <bool kCv, class T>
+__device__ __forceinline__ T ld_bypass(const T* p) {
+  if constexpr (kCv) return __ldcv(p);
+  else return __ldcg(p);
+}
+template <class S, bool kCv = false>
+__device__ __forceinline__ S ldcg_scalar(const S* p) {
+  if constexpr (sizeof(S) == 8) {
+    long long v = ld_bypass<kCv>(reinterpret_cast<const long long*>(p));
+    S s; memcpy(&s, &v, 8); return s;
+  } else if constexpr (sizeof(S) == 4) {
+    int v = ld_bypass<kCv>(reinterpret_cast<const int*>(p));
+    S s; memcpy(&s, &v, 4); return s;
+  } else {
+    unsigned short v = ld_bypass<kCv>(reinterpret_cast<const unsigned short*>(p));
+    S s; memcpy(&s, &v, 2); return s;
+  }
+}
+
+template <class S>
+struct Vec {
+  static constexpr int N = 16 / sizeof(S);
+  S v[N];
+};
+template <class S>
+__device__ __forceinline__ Vec<S> as_vec(uint4 u) { Vec<S> r; memcpy(&r, &u, 16); return r; }
+template <class S>
+__device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v, 16); return u; }
+
+// The one data mover: acc = in[i] op srcs[0][i] op srcs[1][i] ... (srcs in order); then
+// out[i] = acc (when out != nullptr) and dsts[d][i] = acc for every d (peers' buffers: the push).
+// Block-wide over i < len. Every load is ld.global.cg: `in` and the sources may be a peer's
+// buffer or this rank's buffer written by a peer over NVLink, never to be served from a stale L1
+// line. 16-byte vectors when every pointer is 16-byte aligned, scalar tail; fully scalar
+// otherwise. out may alias in or a source (each element is read before it is written, by the
+// same thread). kCv: every load is ld.global.cv instead (the host channel's pinned memory).
+template <class E, class Op, bool kCv = false>
+__device__ void combine_range(typename E::S* out, const typename E::S* in, const typename E::S* const* srcs,
+                              int nk, typename E::S* const* dsts, int nd, int64_t len) {
+  using S = typename E::S;
+  using A = typename E::A;
+  constexpr int V = Vec<S>::N;
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(in);
+  for (int j = 0; j < nk; ++j) bits |= reinterpret_cast<uintptr_t>(srcs[j]);
+  for (int j = 0; j < nd; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
+  const int64_t nvec = (bits & 15u) == 0 ? len / V : 0;
+  const uint4* in4 = reinterpret_cast<const uint4*>(in);
+  uint4* out4 = reinterpret_cast<uint4*>(out);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
+    uint4 res[kUnroll];
+    if (nk == 0) {  // a copy: no conversion (bit-exact, also for NaN payloads)
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) res[r] = ld_bypass<kCv>(in4 + j);
+      }
+    } else {
+      A acc[kUnroll][V];
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) raw[r] = ld_bypass<kCv>(in4 + j);
+      }
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        Vec<S> x = as_vec<S>(raw[r]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[r][e] = E::load(x.v[e]);
+      }
+      for (int k = 0; k < nk; ++k) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k]);
+#pragma unroll
+        for (int r = 0; r < kUnroll; ++r) {
+          const int64_t j = base + int64_t{r} * kThreads;
+          if (j < nvec) raw[r] = ld_bypass<kCv>(s4 + j);
+        }
+#pragma unroll
+        for (int r = 0; r < kUnroll; ++r) {
+          Vec<S> x = as_vec<S>(raw[r]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[r][e] = Op::apply(acc[r][e], E::load(x.v[e]));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        Vec<S> x;
+#pragma unroll
+        for (int e = 0; e < V; ++e) x.v[e] = E::store(acc[r][e]);
+        res[r] = as_u4<S>(x);
+      }
+    }
+    for (int d = 0; d < nd; ++d) {
+      uint4* d4 = reinterpret_cast<uint4*>(dsts[d]);
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) d4[j] = res[r];
+      }
+    }
+    if (out4 != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) out4[j] = res[r];
+      }
+    }
+  }
+  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) {
+    S v = ldcg_scalar<S, kCv>(in + i);
+    if (nk > 0) {
+      A a = E::load(v);
+      for (int k = 0; k < nk; ++k) a = Op::apply(a, E::load(ldcg_scalar<S, kCv>(srcs[k] + i)));
+      v = E::store(a);
+    }
+    for (int d = 0; d < nd; ++d) dsts[d][i] = v;
+    if (out != nullptr) out[i] = v;
+  }
+}
+
+// dst[i] = src[i] for i < len (block-wide); kPeer: src is a peer's buffer (ld.global.cg).
+template <class S, bool kPeer>
+__device__ void copy_range(S* dst, const S* src, int64_t len) {
+  constexpr int V = 16 / sizeof(S);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0;
+  const int64_t nvec = aligned ? len / V : 0;
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) raw[r] = kPeer ? __ldcg(s4 + j) : s4[j];
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t j = base + int64_t{r} * kThreads;
+      if (j < nvec) d4[j] = raw[r];
+    }
+  }
+  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads)
+    dst[i] = kPeer ? ldcg_scalar(src + i) : src[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel.
+
+struct Shared {
+  uint32_t k;       // this call's number
+  int fail;         // set by thread 0 when this block stops
+  uint64_t have;    // peers whose pointers this block holds
+  uint64_t deadline;
+  int nk, nd, work, up;  // the current step: sources, remote destinations, anything to move, push up
+  void* outp;            // the current step's local destination (nullptr: none)
+  const uint8_t* pin[kMaxRanks];
+  uint8_t* pout[kMaxRanks];
+  uint8_t* peer_base[kMaxRanks];
+  uint8_t* stg_peer[kMaxRanks];  // one-shot: the peers' staging blocks
+  const void* src[kMaxRanks];  // sources of the current step
+  void* dst[kMaxRanks];        // peers' buffers the current step writes (pushes)
+};
+
+__device__ __forceinline__ uint32_t* inbox_at(const Params& p, uint8_t* base, int src, int phase, int u) {
+  return reinterpret_cast<uint32_t*>(base + p.off_inbox) +
+         (static_cast<int64_t>(src) * 2 + phase) * p.nunits + u;
+}
+
+// Thread 0: this rank gives up call k. Abort markers first (peers waiting on it stop at once),
+// then the device's error record if this is the device's first failure.
+__device__ void fail_call(const Params& p, Shared& sh, int kind, int peer, int tree, int64_t elem_off,
+                          int at, uint32_t observed) {
+  sh.fail = 1;
+  for (int dst = 0; dst < p.nranks; ++dst)
+    if (dst != p.rank)
+      sync::st_relaxed_sys(reinterpret_cast<uint32_t*>(sh.peer_base[dst] + p.off_abort) + p.rank,
+                           sh.k == 0 ? 1u : sh.k);
+  __threadfence_system();
+  if (kind == 0) return;  // the device was stopped by an earlier failure: it holds the record
+  if (atomicCAS(p.dev_claim, 0u, 1u) != 0u) return;
+  ErrorRecord* r = p.rec;
+  const TreeRank* trees = reinterpret_cast<const TreeRank*>(p.site + p.off_trees);
+  r->kind = kind;
+  r->device = p.device;
+  r->rank = p.rank;
+  r->nranks = p.nranks;
+  r->peer = peer;
+  r->tree = tree;
+  r->phase = at;
+  r->elem_offset = elem_off;
+  r->chunk = (tree >= 0 && p.chunk_elems > 0) ? (elem_off - trees[tree].seg_offset) / p.chunk_elems : -1;
+  r->comm_id = p.comm_id;
+  r->timeout_ms = p.timeout_ms;
+  r->seq = sh.k;
+  r->observed = observed;
+  __threadfence_system();
+  r->ready = 1;
+  __threadfence_system();
+}
+
+// Thread 0: wait until `flag` == target. Returns false (after fail_call) when the call must stop.
+__device__ bool wait_for_value(const Params& p, Shared& sh, const uint32_t* flag, uint32_t target, int src,
+                               int tree, int64_t elem_off, int at) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  uint32_t observed = 0;
+  int st = sync::wait_flag(flag, target, sh.deadline, abort_word, p.dev_claim, &observed);
+  // A producer that gave up may have published this flag (or its pointers) before it did: its
+  // buffers are not to be trusted once its kernel has left. Checked after every wait (local).
+  if (st == sync::kWaitOk && sync::ld_relaxed_sys(abort_word) != 0u) st = sync::kWaitAborted;
+  if (st == sync::kWaitOk) {
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;  // the budget is per wait
+    return true;
+  }
+  int kind = 0;
+  if (st == sync::kWaitTimeout) kind = kErrTimeout;
+  else if (st == sync::kWaitAhead) kind = kErrAhead;
+  else if (st == sync::kWaitAborted) { kind = kErrAborted; observed = sync::ld_relaxed_sys(abort_word); }
+  fail_call(p, sh, kind, src, tree, elem_off, at, observed);  // kWaitStopped: kind 0
+  return false;
+}
+
+// Thread 0: wait until `flag` == this call's number k.
+__device__ bool wait_for(const Params& p, Shared& sh, const uint32_t* flag, int src, int tree, int64_t elem_off,
+                         int at) {
+  return wait_for_value(p, sh, flag, sh.k, src, tree, elem_off, at);
+}
+
+// Thread 0: make `src`'s pointers of this call available in sh.pin / sh.pout. Two slots per
+// peer, by the parity of the call number: a neighbour in a tree is never more than one call
+// ahead of this rank (see the header), so slot k & 1 still holds call k's pointers.
+__device__ bool get_pointers(const Params& p, Shared& sh, int src, int tree, int64_t elem_off) {
+  if ((sh.have >> src) & 1u) return true;
+  const int slot = 2 * src + static_cast<int>(sh.k & 1u);
+  const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.site + p.off_ptr_flag) + slot;
+  if (!wait_for(p, sh, flag, src, tree, elem_off, kAtPointers)) return false;
+  sh.pin[src] = reinterpret_cast<const uint8_t*>(
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_in) + slot));
+  sh.pout[src] = reinterpret_cast<uint8_t*>(
+      sync::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(p.site + p.off_ptr_out) + slot));
+  sh.have |= uint64_t{1} << src;
+  return true;
+}
+
+__device__ __forceinline__ void signal(const Params& p, Shared& sh, int dst, int phase, int u) {
+  sync::st_release_sys(inbox_at(p, sh.peer_base[dst], p.rank, phase, u), sh.k);
+}
+
+// Copy-engine variant (host_ce): the side streams move the chunks (see Launch); this block waits
+// for each of its chunks to land in `stage` and reduces it. If it stops early it releases the
+// side stream's waits on its chunks (ready flags = kh), so that the call ends, failed, not hung.
+template <class E, class Op>
+__device__ void host_channel_ce(const Params& p, Shared& sh, int hb) {
+  using S = typename E::S;
+  const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
+  const uint32_t kh = p.host_kh;
+  const int par = static_cast<int>(kh & 1u);
+  const int64_t C = p.host_chunk, total = p.host_elems;
+  const int64_t nch = (total + C - 1) / C;
+  const S* in = static_cast<const S*>(p.in) + p.host_off;
+  S* out = static_cast<S*>(p.out) + p.host_off;
+  const S* theirs = reinterpret_cast<const S*>(p.stage);
+  const uint32_t* landed = p.hctl_mine + p.hctl_blocks + par * p.host_max_chunks;
+  int64_t c = hb;
+  for (; c < nch && !sh.fail; c += H) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    if (tid == 0) wait_for_value(p, sh, landed + c, kh, peer, -1, p.host_off + lo, kAtHost);
+    __syncthreads();
+    if (sh.fail) break;
+    const S* first = me == 0 ? in + lo : theirs + lo;
+    const S* second = me == 0 ? theirs + lo : in + lo;
+    combine_range<E, Op, false>(out + lo, first, &second, 1, nullptr, 0, len);
+    __syncthreads();
+  }
+  if (tid == 0 && sh.fail)
+    for (int64_t r = hb; r < nch; r += H) sync::st_release_sys(p.ready_mine + par * p.host_max_chunks + r, kh);
+}
+
+// Mode::kHybrid, host block hb of H (2 ranks): chunks hb, hb + H, ... of the slice [host_off,
+// host_off + host_elems). The host channel belongs to the communicator (one outbox per rank for
+// all its hybrid sites), and so does its call number kh: the number of hybrid calls on this
+// communicator so far, kept per block in the control block and moved in lockstep (block 0 also
+// moves the counters of the blocks this site does not use). Send chunk c: copy this rank's `in`
+// into its outbox (pinned host memory, slot kh & 1), then st.release.sys kh into the chunk's flag
+// in the peer's control block (over NVLink; the release orders the block's PCIe writes before
+// it). Receive chunk c: wait for the peer's flag here, then out = rank 0's op rank 1's (rank
+// order: both ranks round alike), reading the peer's outbox with ld.global.cv. A block sends
+// c + H before it waits for c, so that both directions of the PCIe links stay busy. Two slots
+// suffice for the reason the one-shot inbox's do (see the header): this rank overwrites slot
+// kh & 1 in hybrid call kh + 2 only after its call kh + 1 received the peer's chunks of that
+// call, which the peer sends only after its call kh (the last reader of the slot) finished; by
+// the same argument a flag is never overwritten before its waiter has seen it.
+template <class E, class Op>
+__device__ void host_channel(const Params& p, Shared& sh, int hb) {
+  if (p.host_ce) {
+    host_channel_ce<E, Op>(p, sh, hb);
+    return;
+  }
+  using S = typename E::S;
+  const int H = p.host_blocks, tid = threadIdx.x, me = p.rank, peer = 1 - me;
+  const uint32_t kh = p.hctl_mine[hb] + 1;  // read by every thread (the same value): local, stream-ordered
+  const int par = static_cast<int>(kh & 1u);
+  const int64_t C = p.host_chunk, total = p.host_elems;
+  const int64_t nch = (total + C - 1) / C;
+  const S* in = static_cast<const S*>(p.in) + p.host_off;
+  S* out = static_cast<S*>(p.out) + p.host_off;
+  S* mine = reinterpret_cast<S*>(p.host_mine + par * p.host_slot);
+  const S* theirs = reinterpret_cast<const S*>(p.host_peer + par * p.host_slot);
+  const uint32_t* flag_here = p.hctl_mine + p.hctl_blocks + par * p.host_max_chunks;
+  uint32_t* flag_there = p.hctl_peer + p.hctl_blocks + par * p.host_max_chunks;
+  auto send = [&](int64_t c) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    copy_range<S, false>(mine + lo, in + lo, len);
+    __syncthreads();  // every thread's stores before the release
+    if (tid == 0) sync::st_release_sys(flag_there + c, kh);
+  };
+  auto receive = [&](int64_t c) {
+    const int64_t lo = c * C, len = min(C, total - lo);
+    if (tid == 0) wait_for_value(p, sh, flag_here + c, kh, peer, -1, p.host_off + lo, kAtHost);
+    __syncthreads();
+    if (sh.fail) return false;
+    const S* first = me == 0 ? in + lo : theirs + lo;
+    const S* second = me == 0 ? theirs + lo : in + lo;
+    combine_range<E, Op, true>(out + lo, first, &second, 1, nullptr, 0, len);
+    __syncthreads();  // every warp has read sh.fail before thread 0's next wait may set it
+    return true;
+  };
+  int64_t c = hb;
+  if (c < nch) send(c);
+  for (; c < nch; c += H) {
+    if (c + H < nch) send(c + H);
+    if (!receive(c)) break;
+  }
+  __syncthreads();  // every thread has read kh
+  if (tid == 0) {  // the next hybrid call on this stream sees it (stream order), failed or not
+    p.hctl_mine[hb] = kh;
+    if (hb == 0)
+      for (int j = H; j < p.hctl_blocks; ++j) p.hctl_mine[j] = kh;
+  }
+}
+
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p) {
+  using S = typename E::S;
+  __shared__ Shared sh;
+  const int tid = threadIdx.x;
+  const int b = blockIdx.x;
+  const int n = p.nranks, me = p.rank;
+  uint32_t* blk_seq = reinterpret_cast<uint32_t*>(p.site + p.off_blk_seq);
+  const Unit* units = reinterpret_cast<const Unit*>(p.site + p.off_units);
+  const TreeRank* trees = reinterpret_cast<const TreeRank*>(p.site + p.off_trees);
+  const int32_t* kids = reinterpret_cast<const int32_t*>(p.site + p.off_kids);
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  for (int i = tid; i < n; i += kThreads) sh.peer_base[i] = reinterpret_cast<uint8_t*>(peer_base[i]);
+  if (tid == 0) {
+    sh.have = 0;
+    sh.k = blk_seq[b] + 1;
+    sh.fail = sync::ld_relaxed_sys(p.dev_claim) != 0u;
+  }
+  __syncthreads();
+  if (sh.fail) {  // the device is stopped: tell the peers, do nothing, keep the counter
+    if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    if (b >= p.grid && p.host_ce) host_channel_ce<E, Op>(p, sh, b - p.grid);  // releases the side stream
+    return;
+  }
+  const S* in = static_cast<const S*>(p.in);
+  S* out = static_cast<S*>(p.out);
+  const bool alias = p.in == p.out;
+  if (tid == 0) {
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+    if (b == 0) {  // publish this call's pointers into every peer's table (slot k & 1), then the flag
+      const int slot = 2 * me + static_cast<int>(sh.k & 1u);
+      for (int dst = 0; dst < n; ++dst) {
+        if (dst == me) continue;
+        uint8_t* base = sh.peer_base[dst];
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot,
+                                 reinterpret_cast<uint64_t>(p.in));
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot,
+                                 reinterpret_cast<uint64_t>(p.out));
+        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
+      }
+    }
+  }
+
+  // Elements outside every segment: out = in, each gap split over the grid.
+  if (!alias) {
+    const int64_t* gaps = reinterpret_cast<const int64_t*>(p.site + p.off_gaps);
+    for (int g = 0; g < p.ngaps; ++g) {
+      const int64_t off = gaps[2 * g], len = gaps[2 * g + 1];
+      const int64_t per = ((len + p.grid - 1) / p.grid + 7) & ~int64_t{7};
+      const int64_t lo = per * b < len ? per * b : len;
+      const int64_t hi = lo + per < len ? lo + per : len;
+      if (hi > lo) copy_range<S, false>(out + off + lo, in + off + lo, hi - lo);
+    }
+  }
+
+  // Mode::kHybrid: the blocks past the trees' grid run the host channel, and only that.
+  if (b >= p.grid) {
+    host_channel<E, Op>(p, sh, b - p.grid);
+    goto done;
+  }
+
+  // Reduce pass: step (R, u).
+  for (int u = b; u < p.nunits; u += p.grid) {
+    const Unit un = units[u];
+    const TreeRank tr = trees[un.tree];
+    if (!(tr.phases & kPhaseReduce)) continue;
+    const bool bcast = (tr.phases & kPhaseBroadcast) != 0;
+    const bool root = tr.parent < 0;
+    // A leaf that its parent always pulls (the parent has several children): nothing to do here,
+    // the parent reads `in` in place; `out` gets the broadcast.
+    if (tr.leaf && !root && bcast && !tr.push_up) continue;
+    const bool kid_pushes = tr.kid_push && !alias;  // the only child writes into our `out`
+    if (tid == 0) {
+      bool ok = true;
+      int nk = 0, nd = 0;
+      bool up = false;
+      if (!root && tr.push_up) {  // push unless the parent's in == out this call
+        ok = get_pointers(p, sh, tr.parent, un.tree, un.off);
+        up = ok && sh.pin[tr.parent] != sh.pout[tr.parent];
+      }
+      if (ok && kid_pushes) {
+        const int kid = kids[tr.kid_begin] & 0xffff;
+        ok = wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce);
+        sh.src[nk++] = out + un.off;  // the child's result, landed in our `out`
+      } else {
+        for (int i = 0; ok && i < tr.kid_count; ++i) {
+          const int kid = kids[tr.kid_begin + i] & 0xffff;
+          const bool kid_leaf = (kids[tr.kid_begin + i] >> 16) != 0;
+          ok = get_pointers(p, sh, kid, un.tree, un.off);
+          if (ok && !kid_leaf) ok = wait_for(p, sh, inbox_at(p, p.site, kid, 0, u), kid, un.tree, un.off, kAtReduce);
+          if (ok) sh.src[nk++] = (kid_leaf ? sh.pin[kid] : sh.pout[kid]) + un.off * sizeof(S);
+        }
+      }
+      if (ok && root && bcast)  // final now: push it into every child's `out`
+        for (int i = 0; ok && i < tr.kid_count; ++i) {
+          const int kid = kids[tr.kid_begin + i] & 0xffff;
+          ok = get_pointers(p, sh, kid, un.tree, un.off);
+          if (ok) sh.dst[nd++] = sh.pout[kid] + un.off * sizeof(S);
+        }
+      if (ok && up) sh.dst[nd++] = sh.pout[tr.parent] + un.off * sizeof(S);
+      // Local `out`: the root's result; every rank's in a reduce-only tree (the semantics); a
+      // non-leaf's partial result when its parent pulls it. Not a copy of `in` onto itself.
+      const bool local = root || !bcast || (!up && !tr.leaf);
+      sh.outp = (local && !(alias && nk == 0)) ? static_cast<void*>(out + un.off) : nullptr;
+      sh.nk = nk;
+      sh.nd = nd;
+      sh.up = up;
+      sh.work = sh.outp != nullptr || nd > 0;
+    }
+    __syncthreads();
+    if (sh.fail) goto done;
+    if (sh.work)
+      combine_range<E, Op>(static_cast<S*>(sh.outp), in + un.off, reinterpret_cast<const S* const*>(sh.src), sh.nk,
+                           reinterpret_cast<S* const*>(sh.dst), sh.nd, un.len);
+    __syncthreads();  // every thread's stores (and its reads of sh.*) before the release
+    if (tid == 0) {
+      if (!root && (sh.up || !tr.leaf)) signal(p, sh, tr.parent, 0, u);  // pushed / partial ready
+      if (root && bcast)
+        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 1, u);
+      if (!bcast && !kid_pushes)  // reduce-only: "done reading you" to the children we pulled
+        for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 0, u);
+    }
+  }
+
+  // Broadcast pass: step (B, u). The parent pushed into our `out`; pass it on to the children.
+  for (int u = b; u < p.nunits; u += p.grid) {
+    const Unit un = units[u];
+    const TreeRank tr = trees[un.tree];
+    if (!(tr.phases & kPhaseBroadcast)) continue;
+    const bool root = tr.parent < 0;
+    if (root && (tr.phases & kPhaseReduce)) continue;  // pushed in its reduce step
+    if (tid == 0) {
+      bool ok = root || wait_for(p, sh, inbox_at(p, p.site, tr.parent, 1, u), tr.parent, un.tree, un.off, kAtBroadcast);
+      int nd = 0;
+      for (int i = 0; ok && i < tr.kid_count; ++i) {
+        const int kid = kids[tr.kid_begin + i] & 0xffff;
+        ok = get_pointers(p, sh, kid, un.tree, un.off);
+        if (ok) sh.dst[nd++] = sh.pout[kid] + un.off * sizeof(S);
+      }
+      // The root of a broadcast-only tree: out = in (and in goes to the children).
+      sh.outp = (root && !alias) ? static_cast<void*>(out + un.off) : nullptr;
+      sh.nd = nd;
+      sh.work = sh.outp != nullptr || nd > 0;
+    }
+    __syncthreads();
+    if (sh.fail) goto done;
+    if (sh.work)
+      combine_range<E, Op>(static_cast<S*>(sh.outp), (root ? in : out) + un.off, nullptr, 0,
+                           reinterpret_cast<S* const*>(sh.dst), sh.nd, un.len);
+    __syncthreads();
+    if (tid == 0)
+      for (int i = 0; i < tr.kid_count; ++i) signal(p, sh, kids[tr.kid_begin + i] & 0xffff, 1, u);
+  }
+
+  // Exit pass (thread 0): nobody reads this rank's buffers any more. Only a child of a
+  // reduce-only tree that its parent pulled waits here (for the parent's "done reading you");
+  // with a broadcast phase the broadcast it waited for came after every read of its buffers.
+  if (tid == 0) {
+    for (int u = b; u < p.nunits && !sh.fail; u += p.grid) {
+      const Unit un = units[u];
+      const TreeRank tr = trees[un.tree];
+      if ((tr.phases & kPhaseBroadcast) || tr.parent < 0) continue;
+      const bool up = tr.push_up && sh.pin[tr.parent] != sh.pout[tr.parent];  // fetched in (R, u)
+      if (!up) wait_for(p, sh, inbox_at(p, p.site, tr.parent, 0, u), tr.parent, un.tree, un.off, kAtExit);
+    }
+  }
+done:
+  if (tid == 0) blk_seq[b] = sh.k;  // the next kernel on this stream sees it (stream order)
+}
+
+// ---------------------------------------------------------------------------------------------
+// One-shot kernels (Mode::kLL, Mode::kOneShot): see "One-shot all-reduce" at the top.
+
+// The inbox slot that rank `src` owns on rank `dst` (n-1 per parity: none for itself).
+__device__ __forceinline__ int inbox_slot(int src, int dst) { return src < dst ? src : src - 1; }
+
+__device__ __forceinline__ uint8_t* stg_data(const Params& p, uint8_t* base, int par, int slot) {
+  return base + p.stg_off_data + (static_cast<uint64_t>(par) * (p.nranks - 1) + slot) * p.stg_region;
+}
+__device__ __forceinline__ uint64_t* stg_flags(const Params& p, uint8_t* base, int par, int slot) {
+  return reinterpret_cast<uint64_t*>(base + p.stg_off_flags) +
+         (static_cast<int64_t>(par) * (p.nranks - 1) + slot) * p.stg_max_chunks;
+}
+
+// Prologue of both one-shot kernels: this call's number from the communicator's counter, the
+// peers' site and staging bases. Returns false when the device is stopped (the call is skipped,
+// the peers are told).
+__device__ bool oneshot_begin(const Params& p, Shared& sh) {
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  const uint64_t* stg_peer = reinterpret_cast<const uint64_t*>(p.stg);
+  for (int i = threadIdx.x; i < p.nranks; i += kThreads) {
+    sh.peer_base[i] = reinterpret_cast<uint8_t*>(peer_base[i]);
+    sh.stg_peer[i] = reinterpret_cast<uint8_t*>(stg_peer[i]);
+  }
+  if (threadIdx.x == 0) {
+    sh.k = reinterpret_cast<const uint32_t*>(p.stg + p.stg_off_seq)[blockIdx.x] + 1;
+    sh.fail = sync::ld_relaxed_sys(p.dev_claim) != 0u;
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+  }
+  __syncthreads();
+  if (sh.fail) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    return false;
+  }
+  return true;
+}
+
+// Thread 0 at the end: the communicator's counters move to this call, all of them (a later
+// one-shot kernel may run a larger grid).
+__device__ void oneshot_end(const Params& p, const Shared& sh) {
+  if (threadIdx.x != 0) return;
+  uint32_t* seq = reinterpret_cast<uint32_t*>(p.stg + p.stg_off_seq);
+  seq[blockIdx.x] = sh.k;
+  if (blockIdx.x == 0)
+    for (int j = gridDim.x; j < p.stg_blocks; ++j) seq[j] = sh.k;
+}
+
+// 8 bytes of `src` at line i (bytes [8i, 8i + 8) cut at `bytes`, zeros past the end).
+__device__ __forceinline__ uint2 load_line(const uint8_t* src, int64_t i, int64_t bytes, bool aligned8) {
+  const int64_t at = 8 * i;
+  if (aligned8 && at + 8 <= bytes) return *reinterpret_cast<const uint2*>(src + at);
+  uint8_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < 8 && at + j < bytes; ++j) t[j] = src[at + j];
+  uint2 v;
+  memcpy(&v, t, 8);
+  return v;
+}
+__device__ __forceinline__ void store_line(uint8_t* dst, int64_t i, int64_t bytes, bool aligned8, uint2 v) {
+  const int64_t at = 8 * i;
+  if (aligned8 && at + 8 <= bytes) { *reinterpret_cast<uint2*>(dst + at) = v; return; }
+  uint8_t t[8];
+  memcpy(t, &v, 8);
+  for (int j = 0; j < 8 && at + j < bytes; ++j) dst[at + j] = t[j];
+}
+
+// The elements of one 8-byte line, accumulated in E::A.
+template <class E, class Op>
+struct LineAcc {
+  using S = typename E::S;
+  using A = typename E::A;
+  static constexpr int N = 8 / sizeof(S);
+  A a[N];
+  __device__ __forceinline__ void set(uint2 v) {
+    S s[N];
+    memcpy(s, &v, 8);
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = E::load(s[e]);
+  }
+  __device__ __forceinline__ void add(uint2 v) {
+    S s[N];
+    memcpy(s, &v, 8);
+#pragma unroll
+    for (int e = 0; e < N; ++e) a[e] = Op::apply(a[e], E::load(s[e]));
+  }
+  __device__ __forceinline__ uint2 get() const {
+    S s[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[e] = E::store(a[e]);
+    uint2 v;
+    memcpy(&v, s, 8);
+    return v;
+  }
+};
+
+// Any thread: wait until `src`'s LL line carries this call's flags. False (after fail_call) when
+// the call must stop: the producer gave up, the device stopped, or the budget ran out (a line
+// whose first flag is this call but whose second is not came from another call site: mismatch).
+__device__ bool ll_wait(const Params& p, Shared& sh, const uint4* line, uint32_t f0, uint32_t f1, int src,
+                        int64_t elem_off, uint2* d) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  for (uint32_t round = 1;; ++round) {
+    const uint4 v = sync::ld_volatile_v4(line);
+    if (v.y == f0 && v.w == f1) {
+      *d = make_uint2(v.x, v.z);
+      return true;
+    }
+    if ((round & 255u) == 0) {
+      if (*reinterpret_cast<volatile int*>(&sh.fail)) return false;
+      if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {
+        fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+        return false;
+      }
+      if (sync::ld_relaxed_sys(p.dev_claim) != 0u) {
+        fail_call(p, sh, 0, src, -1, elem_off, kAtOneShot, 0);
+        return false;
+      }
+      if (sync::globaltimer_ns() > sh.deadline) {
+        fail_call(p, sh, v.y == f0 ? kErrMismatch : kErrTimeout, src, -1, elem_off, kAtOneShot, v.y);
+        return false;
+      }
+    }
+  }
+}
+
+// Mode::kLL. Thread t of block b owns lines b * kThreads + t + j * grid * kThreads. It first
+// writes each of its lines into every peer's inbox (slot k & 1), then, per line, reads the
+// peers' lines from its own inbox and reduces in rank order.
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) ll_kernel(const Params p) {
+  __shared__ Shared sh;
+  if (oneshot_begin(p, sh)) {
+    const int n = p.nranks, me = p.rank;
+    const uint32_t k = sh.k, f0 = k, f1 = k ^ p.os_site;
+    const int par = static_cast<int>(k & 1u);
+    const int64_t bytes = p.os_elems * static_cast<int64_t>(sizeof(typename E::S));
+    const int64_t lines = (bytes + 7) / 8;
+    const uint8_t* in = static_cast<const uint8_t*>(p.in);
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    const bool in8 = (reinterpret_cast<uintptr_t>(in) & 7u) == 0;
+    const bool out8 = (reinterpret_cast<uintptr_t>(out) & 7u) == 0;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    for (int64_t i = first; i < lines; i += stride) {
+      const uint2 d = load_line(in, i, bytes, in8);
+      for (int dst = 0; dst < n; ++dst) {
+        if (dst == me) continue;
+        uint4* line = reinterpret_cast<uint4*>(stg_data(p, sh.stg_peer[dst], par, inbox_slot(me, dst))) + i;
+        sync::st_volatile_v4(line, d.x, f0, d.y, f1);
+      }
+    }
+    bool ok = true;
+    for (int64_t i = first; ok && i < lines; i += stride) {
+      const uint2 mine = load_line(in, i, bytes, in8);
+      LineAcc<E, Op> acc;
+      for (int src = 0; ok && src < n; ++src) {
+        uint2 d = mine;
+        if (src != me) {
+          const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
+          ok = ll_wait(p, sh, line, f0, f1, src, 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
+        }
+        if (src == 0) acc.set(d);
+        else acc.add(d);
+      }
+      if (ok) store_line(out, i, bytes, out8, acc.get());
+    }
+    // A peer that gave up (on this call or before) may have written its lines first: this call
+    // fails too, as the tree kernel's waits do, so that the ranks never disagree silently.
+    __syncthreads();
+    if (threadIdx.x == 0 && !sh.fail)
+      for (int src = 0; src < n; ++src) {
+        if (src == me) continue;
+        if (const uint32_t a = sync::ld_relaxed_sys(reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src)) {
+          fail_call(p, sh, kErrAborted, src, -1, 0, kAtOneShot, a);
+          break;
+        }
+      }
+  }
+  oneshot_end(p, sh);
+}
+
+// Thread 0: wait until `flag` holds this call's tag (call number | site << 32), with the budget.
+__device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint64_t tag, int src, int64_t elem_off) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.site + p.off_abort) + src;
+  const uint32_t k = static_cast<uint32_t>(tag);
+  for (uint32_t round = 1;; ++round) {
+    const uint64_t v = sync::ld_acquire_sys_u64(flag);
+    const uint32_t seen = static_cast<uint32_t>(v);
+    if (sync::seq_reached(seen, k)) {
+      if (v == tag) {
+        if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {  // it gave up after publishing
+          fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+          return false;
+        }
+        sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+        return true;
+      }
+      fail_call(p, sh, seen != k ? kErrAhead : kErrMismatch, src, -1, elem_off, kAtOneShot, seen);
+      return false;
+    }
+    if ((round & 63u) == 0) {
+      if (const uint32_t a = sync::ld_relaxed_sys(abort_word)) {
+        fail_call(p, sh, kErrAborted, src, -1, elem_off, kAtOneShot, a);
+        return false;
+      }
+      if (sync::ld_relaxed_sys(p.dev_claim) != 0u) {
+        fail_call(p, sh, 0, src, -1, elem_off, kAtOneShot, 0);
+        return false;
+      }
+      if (sync::globaltimer_ns() > sh.deadline) {
+        fail_call(p, sh, kErrTimeout, src, -1, elem_off, kAtOneShot, seen);
+        return false;
+      }
+      if (round > 4096u) __nanosleep(256);
+    }
+  }
+}
+
+// Mode::kOneShot. Block b owns chunks b, b + grid, ...: it copies chunk c into every peer's inbox
+// and release-flags it there, and reduces chunk c once every peer's flag for c is in. Chunk
+// c + grid is stored before the block reduces c and flagged after: a release waits until the
+// block's stores have landed, so flagging c + grid at once would keep the block (and the link's
+// next bytes) idle for the reduce; flagged after it, the link drains c + grid while c is reduced
+// (the intent; not yet measured on NVLink: benchmarks/NOTES.md change 6).
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
+  using S = typename E::S;
+  __shared__ Shared sh;
+  if (oneshot_begin(p, sh)) {
+    const int n = p.nranks, me = p.rank, tid = threadIdx.x;
+    const uint32_t k = sh.k;
+    const uint64_t tag = (static_cast<uint64_t>(p.os_site) << 32) | k;
+    const int par = static_cast<int>(k & 1u);
+    const S* in = static_cast<const S*>(p.in);
+    S* out = static_cast<S*>(p.out);
+    const int64_t C = p.os_chunk, total = p.os_elems;
+    const int64_t nch = (total + C - 1) / C;
+    auto store = [&](int64_t c) {  // chunk c into every peer's inbox, not yet flagged
+      const int64_t lo = c * C, len = min(C, total - lo);
+      if (tid == 0) {
+        int nd = 0;
+        for (int dst = 0; dst < n; ++dst)
+          if (dst != me)
+            sh.dst[nd++] = stg_data(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + lo * sizeof(S);
+      }
+      __syncthreads();
+      combine_range<E, Op>(nullptr, in + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), n - 1, len);
+      __syncthreads();  // sh.dst is rewritten by the next store; reduce() reads sh.src only
+    };
+    auto flag = [&](int64_t c) {  // every thread's stores of c are before a __syncthreads() by now
+      if (tid == 0)
+        for (int dst = 0; dst < n; ++dst)
+          if (dst != me) sync::st_release_sys_u64(stg_flags(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + c, tag);
+    };
+    auto reduce = [&](int64_t c) {
+      const int64_t lo = c * C, len = min(C, total - lo);
+      if (tid == 0) {
+        bool ok = true;
+        for (int src = 0; ok && src < n; ++src)
+          if (src != me) ok = wait_tag(p, sh, stg_flags(p, p.stg, par, inbox_slot(src, me)) + c, tag, src, lo);
+        for (int src = 0; src < n; ++src)  // in rank order: every rank rounds the same way
+          sh.src[src] = src == me ? static_cast<const void*>(in + lo)
+                                  : stg_data(p, p.stg, par, inbox_slot(src, me)) + lo * sizeof(S);
+      }
+      __syncthreads();
+      if (sh.fail) return false;
+      combine_range<E, Op>(out + lo, static_cast<const S*>(sh.src[0]), reinterpret_cast<const S* const*>(sh.src + 1),
+                           n - 1, nullptr, 0, len);
+      __syncthreads();  // sh.src / sh.dst are rewritten by the next step
+      return true;
+    };
+    int64_t c = blockIdx.x;
+    if (c < nch) {
+      store(c);
+      flag(c);
+    }
+    for (; c < nch; c += gridDim.x) {
+      const bool next = c + gridDim.x < nch;
+      if (next) store(c + gridDim.x);
+      const bool ok = reduce(c);  // its __syncthreads(): c + grid's stores are all issued
+      if (next) flag(c + gridDim.x);  // even after a failure: the peer is not left to time out on it
+      if (!ok) break;
+    }
+  }
+  oneshot_end(p, sh);
+}
+
+using KernelFn = void (*)(const Params);
+
+template <class E, class Op>
+constexpr KernelFn kernel_for_mode(Mode m) {  // kTree and kHybrid: the tree kernel
+  return m == Mode::kLL ? &ll_kernel<E, Op> : m == Mode::kOneShot ? &oneshot_kernel<E, Op> : &collective_kernel<E, Op>;
+}
+
+template <class E>
+constexpr KernelFn kernel_for_op(int op, Mode m) {
+  return op == 0 ? kernel_for_mode<E, OpSum>(m) : op == 1 ? kernel_for_mode<E, OpMax>(m) : kernel_for_mode<E, OpMin>(m);
+}
+
+KernelFn KernelFor(DType d, int op, Mode m) {
+  switch (d) {
+    case DType::kF32: return kernel_for_op<EF32>(op, m);
+    case DType::kF64: return kernel_for_op<EF64>(op, m);
+    case DType::kBF16: return kernel_for_op<EBF16>(op, m);
+    case DType::kF16: return kernel_for_op<EF16>(op, m);
+    case DType::kS32: return kernel_for_op<ES32>(op, m);
+    case DType::kS64: return kernel_for_op<ES64>(op, m);
+  }
+  return nullptr;
+}
+
+constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot};  // the kernels (kHybrid runs kTree's)
+
+}  // namespace
+}  // namespace jax_blink::cuda

@@ -239,8 +239,14 @@ def _host_engine() -> str:
     command buffers, whose handler keeps the SM channel (copy engines are enqueued per call)."""
     if config.command_buffers:
         return "sm"
-    e = os.environ.get("JAX_BLINK_HOST_ENGINE", "").strip().lower()
-    return e if e in HOST_PATH_EFFICIENCY else DEFAULT_HOST_ENGINE
+    raw = os.environ.get("JAX_BLINK_HOST_ENGINE", "")
+    e = raw.lower()  # as the executor reads it: case-insensitive, nothing else
+    if not e:
+        return DEFAULT_HOST_ENGINE
+    if e not in HOST_PATH_EFFICIENCY:  # the executor refuses it at set-up too: say so at trace time
+        raise ValueError(f"JAX_BLINK_HOST_ENGINE={raw!r} is not understood: it takes "
+                         f"{' or '.join(sorted(HOST_PATH_EFFICIENCY))}; fix or unset it (unset: {DEFAULT_HOST_ENGINE})")
+    return e
 
 
 def _host_share(platform: str, topology: Topology, collective: str, root, method: str) -> float:

@@ -145,6 +145,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -307,10 +308,46 @@ std::string EnsureDeviceLocked(int d, DeviceState** out) {
   return {};
 }
 
+// Environment variables (README "Options"), checked as a whole by CheckEnvironment().
+const char* EnvValue(const char* name) {  // nullptr when unset or empty
+  const char* e = std::getenv(name);
+  return (e != nullptr && *e != 0) ? e : nullptr;
+}
+// The readers below keep their defaults for values CheckEnvironment() refuses: set-up returns its
+// message before any of them is used.
+int64_t EnvBytes(const char* name, int64_t fallback) {
+  int64_t v = 0;
+  const char* e = EnvValue(name);
+  return (e != nullptr && ParseByteCount(e, &v)) ? v : fallback;
+}
+bool EnvCount(const char* name, int64_t lo, int64_t hi, int64_t* out) {  // a plain integer in [lo, hi]
+  const char* e = EnvValue(name);
+  if (e == nullptr) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(e, &end, 10);
+  if (end == e || *end != 0 || errno != 0 || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+bool EnvShare(double* out) {  // JAX_BLINK_HOST_SHARE: a fraction in [0, 1]
+  const char* e = EnvValue("JAX_BLINK_HOST_SHARE");
+  if (e == nullptr) return false;
+  char* end = nullptr;
+  const double v = std::strtod(e, &end);
+  if (end == e || *end != 0 || !(v >= 0.0 && v <= 1.0)) return false;
+  *out = v;
+  return true;
+}
+constexpr int64_t kMaxCudaBlocks = 1 << 16;
+constexpr int64_t kMaxOneShotChunksPerBlock = 64;
+
 std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, Comm** out) {
   int blocks = opt.blocks;
   if (blocks <= 0) {
-    if (const char* env = std::getenv("JAX_BLINK_CUDA_BLOCKS")) blocks = std::atoi(env);
+    int64_t env_blocks = 0;  // 0: one block per SM of the smallest GPU
+    EnvCount("JAX_BLINK_CUDA_BLOCKS", 0, kMaxCudaBlocks, &env_blocks);
+    blocks = static_cast<int>(env_blocks);
   }
   auto key = std::make_pair(devices, std::max(blocks, 0));
   auto it = g_comms.find(key);
@@ -358,17 +395,12 @@ std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, C
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // A byte count from the environment (decimal or 0x...), `fallback` when unset or not a number >= 0.
-int64_t EnvBytes(const char* name, int64_t fallback) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || *e == 0) return fallback;
-  char* end = nullptr;
-  const long long v = std::strtoll(e, &end, 0);
-  return (end != e && *end == 0 && v >= 0) ? v : fallback;
-}
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 int64_t OneShotChunksPerBlock() {
-  return std::clamp<int64_t>(EnvBytes("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", kDefaultOneShotChunksPerBlock), 1, 64);
+  int64_t k = kDefaultOneShotChunksPerBlock;
+  EnvCount("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", 1, kMaxOneShotChunksPerBlock, &k);
+  return k;
 }
 
 // The largest tail of at most `elems` of `total` elements that starts at a multiple of `align`.
@@ -391,19 +423,17 @@ struct HostSlice {
 HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total, int esize, int grid) {
   HostSlice h;
   double share = opt.host_share;
-  if (const char* e = std::getenv("JAX_BLINK_HOST_SHARE"); e != nullptr && *e != 0) {
-    char* end = nullptr;
-    const double v = std::strtod(e, &end);
-    if (end != e && *end == 0) share = v;
-  }
+  EnvShare(&share);  // overrides the plan's
   const int64_t payload = total * esize;
   const int64_t min_bytes = opt.host_min_bytes >= 0 ? opt.host_min_bytes : EnvBytes("JAX_BLINK_HOST_MIN_BYTES", kDefaultHostMinBytes);
   const int64_t max_bytes = opt.host_max_bytes >= 0 ? opt.host_max_bytes : EnvBytes("JAX_BLINK_HOST_MAX_BYTES", kDefaultHostMaxBytes);
-  int blocks = opt.host_blocks >= 0 ? opt.host_blocks : static_cast<int>(EnvBytes("JAX_BLINK_HOST_BLOCKS", kDefaultHostBlocks));
+  int64_t env_blocks = kDefaultHostBlocks;
+  EnvCount("JAX_BLINK_HOST_BLOCKS", 0, kMaxCudaBlocks, &env_blocks);
+  int blocks = opt.host_blocks >= 0 ? opt.host_blocks : static_cast<int>(env_blocks);
   int engine = opt.host_engine;
   if (engine < 0) {
-    const char* e = std::getenv("JAX_BLINK_HOST_ENGINE");
-    engine = (e != nullptr && *e != 0) ? (strcasecmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
+    const char* e = EnvValue("JAX_BLINK_HOST_ENGINE");
+    engine = e != nullptr ? (strcasecmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
   }
   h.ce = engine == 1;
   const int64_t chunk_bytes = opt.host_chunk_bytes > 0
@@ -618,6 +648,7 @@ void FreeCopyEngines(Comm* c) {
 
 std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
                              const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
+  if (std::string env = CheckEnvironment(); !env.empty()) return env;
   Program prog;
   std::string perr = prog.Decode(program, len);
   if (!perr.empty()) return "jax_blink CUDA executor: bad schedule program: " + perr;
@@ -1267,6 +1298,52 @@ std::vector<CommInfo> Comms() {
     out.push_back(info);
   }
   return out;
+}
+
+bool ParseByteCount(const char* text, int64_t* out) {
+  if (text == nullptr || *text < '0' || *text > '9') return false;  // no sign, no blank
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  int shift = 0;
+  if (*end != 0) {
+    switch (*end) {
+      case 'K': case 'k': shift = 10; break;
+      case 'M': case 'm': shift = 20; break;
+      case 'G': case 'g': shift = 30; break;
+      default: return false;
+    }
+    if (end[1] != 0) return false;
+  }
+  if (errno != 0 || v > (static_cast<unsigned long long>(INT64_MAX) >> shift)) return false;
+  *out = static_cast<int64_t>(v << shift);
+  return true;
+}
+
+std::string CheckEnvironment() {
+  std::string err;
+  auto bad = [&](const char* name, const char* takes) {
+    if (err.empty())
+      err = std::string("jax_blink CUDA executor: ") + name + "='" + EnvValue(name) + "' is not understood: it takes " +
+            takes + "; fix or unset it (unset: the default)";
+  };
+  int64_t v = 0;
+  for (const char* name : {"JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_HOST_MIN_BYTES",
+                           "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES"})
+    if (EnvValue(name) != nullptr && !ParseByteCount(EnvValue(name), &v))
+      bad(name, "a byte count such as 8388608, 512K, 16M or 1G");
+  if (EnvValue("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK") != nullptr &&
+      !EnvCount("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", 1, kMaxOneShotChunksPerBlock, &v))
+    bad("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "an integer from 1 to 64");
+  for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS"})
+    if (EnvValue(name) != nullptr && !EnvCount(name, 0, kMaxCudaBlocks, &v))
+      bad(name, "an integer from 0 to 65536");
+  double share = 0;
+  if (EnvValue("JAX_BLINK_HOST_SHARE") != nullptr && !EnvShare(&share))
+    bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
+  if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
+    bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
+  return err;
 }
 
 const char* Version() {

@@ -138,6 +138,14 @@ int64_t SiteHostElems(const Site* s);  // elements of the host-channel slice (0 
 int SiteHostBlocks(const Site* s);     // blocks that drive it
 bool SiteHostCopyEngines(const Site* s);  // its bytes move on copy engines (else the host blocks' SMs)
 
+// The executor's environment variables (README "Options"): "" when every one that is set is
+// understood, else a message naming the variable, its value and what it takes. Set-up (CreateSite,
+// JoinSite) fails with this message: a misspelt value is never replaced by a default in silence.
+std::string CheckEnvironment();
+// "8388608", "512K", "16M", "1G" (binary units, case-insensitive) -> bytes; false for anything
+// else (a sign, other text, overflow).
+bool ParseByteCount(const char* text, int64_t* out);
+
 const char* Version();
 
 }  // namespace jax_blink::cuda

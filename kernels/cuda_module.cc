@@ -289,6 +289,25 @@ NB_MODULE(_blink_cuda, m) {
   m.def("version", []() { return std::string(jbc::Version()); });
 
   m.def(
+      "check_environment",
+      []() {
+        const std::string err = jbc::CheckEnvironment();
+        if (!err.empty()) throw nb::value_error(err.c_str());
+      },
+      "Raise ValueError naming the first JAX_BLINK_* environment variable of the CUDA executor whose "
+      "value it does not understand (set-up of a collective fails with the same message); no GPU needed.");
+
+  m.def(
+      "parse_byte_count",
+      [](const std::string& text) {
+        int64_t v = 0;
+        if (!jbc::ParseByteCount(text.c_str(), &v))
+          throw nb::value_error(("not a byte count: '" + text + "' (examples: 8388608, 512K, 16M, 1G)").c_str());
+        return v;
+      },
+      nb::arg("text"), "The executor's reading of a byte-count variable: '16M' -> 16777216 (binary units).");
+
+  m.def(
       "can_access_peer",
       [](int device, int peer) {
         int ok = 0;

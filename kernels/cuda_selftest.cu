@@ -61,12 +61,12 @@ std::string g_filter;  // --filter: run only the tests whose names contain it
 bool Wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
 
 // Sizes on the command line: 65536, 64K, 64M, 1G.
-int64_t ParseBytes(const char* text) {
-  char* end = nullptr;
-  int64_t v = std::strtoll(text, &end, 10);
-  if (end && (*end == 'K' || *end == 'k')) v <<= 10;
-  else if (end && (*end == 'M' || *end == 'm')) v <<= 20;
-  else if (end && (*end == 'G' || *end == 'g')) v <<= 30;
+int64_t ParseBytes(const char* text) {  // the executor's reading (16M, 512K, ...); exits on anything else
+  int64_t v = 0;
+  if (!cuda::ParseByteCount(text, &v)) {
+    std::fprintf(stderr, "not a byte count: '%s' (examples: 8388608, 512K, 16M, 1G)\n", text);
+    std::exit(2);
+  }
   return v;
 }
 

@@ -337,8 +337,11 @@ def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
         hybrid_share(jax_blink.plan(pair, "allreduce"), "ce")[1])
     monkeypatch.setattr(jax_blink.config, "command_buffers", True)  # that handler keeps the SMs
     assert C._host_engine() == "sm"
-    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "bogus")  # unknown: the default
+    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "bogus")  # unknown: an error naming it, not the default
     monkeypatch.setattr(jax_blink.config, "command_buffers", False)
+    with pytest.raises(ValueError, match="JAX_BLINK_HOST_ENGINE='bogus' is not understood: it takes ce or sm"):
+        C._host_engine()
+    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "SM")
     assert C._host_engine() == "sm"
     # Cached: a later trace never plans again for it.
     monkeypatch.setattr(C, "_plan", lambda *a, **k: pytest.fail("planned again"))

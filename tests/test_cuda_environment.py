@@ -1,0 +1,68 @@
+"""The CUDA executor's environment variables: a value it does not understand is an error naming
+the variable and what it takes, never a silent default. Needs the built module, not a GPU."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+try:
+    from jax_blink import _blink_cuda
+except ImportError:  # not built (no nvcc) or not importable here
+    _blink_cuda = None
+
+pytestmark = pytest.mark.skipif(_blink_cuda is None or not hasattr(_blink_cuda, "check_environment"),
+                                reason="jax_blink._blink_cuda not built")
+
+VARIABLES = ("JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK",
+             "JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES",
+             "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_SHARE",
+             "JAX_BLINK_HOST_ENGINE")
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_byte_counts_take_binary_units():
+    parse = _blink_cuda.parse_byte_count
+    assert parse("8388608") == 8 << 20
+    assert parse("512K") == 512 << 10 and parse("512k") == 512 << 10
+    assert parse("16M") == 16 << 20 and parse("1G") == 1 << 30 and parse("0") == 0
+    for text in ("", "-1", "+4", " 4", "4 ", "16MB", "1.5M", "0x10", "M", "99999999999999999999",
+                 "9000000000G"):
+        with pytest.raises(ValueError, match="not a byte count"):
+            parse(text)
+
+
+def test_good_values_pass(monkeypatch):
+    _blink_cuda.check_environment()  # nothing set
+    for name, value in [("JAX_BLINK_LL_BYTES", "256K"), ("JAX_BLINK_ONESHOT_BYTES", "16777216"),
+                        ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "2"), ("JAX_BLINK_CUDA_BLOCKS", "0"),
+                        ("JAX_BLINK_HOST_MIN_BYTES", "256M"), ("JAX_BLINK_HOST_MAX_BYTES", "1G"),
+                        ("JAX_BLINK_HOST_CHUNK_BYTES", "16M"), ("JAX_BLINK_HOST_BLOCKS", "16"),
+                        ("JAX_BLINK_HOST_SHARE", "0.09"), ("JAX_BLINK_HOST_ENGINE", "CE")]:
+        monkeypatch.setenv(name, value)
+    _blink_cuda.check_environment()
+    monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "")  # empty counts as unset
+    _blink_cuda.check_environment()
+
+
+@pytest.mark.parametrize("name,value,takes", [
+    ("JAX_BLINK_ONESHOT_BYTES", "16MB", "byte count"),
+    ("JAX_BLINK_LL_BYTES", "-1", "byte count"),
+    ("JAX_BLINK_HOST_CHUNK_BYTES", "lots", "byte count"),
+    ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "0", "from 1 to 64"),
+    ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "2K", "from 1 to 64"),
+    ("JAX_BLINK_CUDA_BLOCKS", "132.5", "from 0 to 65536"),
+    ("JAX_BLINK_HOST_BLOCKS", "-3", "from 0 to 65536"),
+    ("JAX_BLINK_HOST_SHARE", "9%", "fraction from 0 to 1"),
+    ("JAX_BLINK_HOST_SHARE", "1.5", "fraction from 0 to 1"),
+    ("JAX_BLINK_HOST_ENGINE", "copy", "sm .* or ce"),
+])
+def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}='{re.escape(value)}' is not understood: it takes .*{takes}"):
+        _blink_cuda.check_environment()

@@ -1,7 +1,7 @@
 """Run-time options of jax_blink, read from the environment once and changeable in code.
 
 ``JAX_BLINK_TIMEOUT_S``   budget of every wait inside a collective (default 10 s)
-``JAX_BLINK_CHUNK_BYTES`` pipelining chunk in bytes (default: the schedule's); ``auto``: the chunk
+``JAX_BLINK_CHUNK_BYTES`` pipelining chunk in bytes (65536, 512K, 16M; default: the schedule's); ``auto``: the chunk
                           that ``jax_blink.autotune.tune_chunk`` measured best for this device
                           kind, rank count, collective, dtype and size class, where it has one
 ``JAX_BLINK_COMMAND_BUFFERS`` ``1``: lower to the handler that XLA may capture in CUDA graphs
@@ -59,27 +59,52 @@ class Options:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {self.fallback!r}")
 
 
+_UNITS = {"": 0, "k": 10, "m": 20, "g": 30}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_byte_count(text: str) -> int:
+    """``"65536"``, ``"512K"``, ``"16M"``, ``"1G"`` (binary units, any case) -> bytes, as the CUDA
+    executor reads its byte-count variables; ValueError for anything else."""
+    digits, unit = (text[:-1], text[-1:].lower()) if text[-1:].isalpha() else (text, "")
+    if not digits.isdigit() or not digits.isascii() or unit not in _UNITS:
+        raise ValueError(f"not a byte count: {text!r} (examples: 65536, 512K, 16M, 1G)")
+    return int(digits) << _UNITS[unit]
+
+
 def _from_env() -> Options:
     o = Options()
-    if "JAX_BLINK_TIMEOUT_S" in os.environ:
-        o.timeout_s = float(os.environ["JAX_BLINK_TIMEOUT_S"])
-    if "JAX_BLINK_CHUNK_BYTES" in os.environ:
-        text = os.environ["JAX_BLINK_CHUNK_BYTES"].strip()
+    env = os.environ
+    if "JAX_BLINK_TIMEOUT_S" in env:
+        try:
+            o.timeout_s = float(env["JAX_BLINK_TIMEOUT_S"])
+        except ValueError:
+            raise ValueError(f"JAX_BLINK_TIMEOUT_S must be a number of seconds > 0, "
+                             f"got {env['JAX_BLINK_TIMEOUT_S']!r}") from None
+    if "JAX_BLINK_CHUNK_BYTES" in env:
+        text = env["JAX_BLINK_CHUNK_BYTES"].strip()
         if text.lower() == AUTO:
             o.chunk_bytes = AUTO
         else:
             try:
-                o.chunk_bytes = int(text)
+                o.chunk_bytes = parse_byte_count(text)
             except ValueError:
-                raise ValueError(f"JAX_BLINK_CHUNK_BYTES must be a number of bytes or {AUTO!r}, "
-                                 f"got {text!r}") from None
-    if "JAX_BLINK_DISPATCH" in os.environ:
-        o.dispatch = os.environ["JAX_BLINK_DISPATCH"]
-    if "JAX_BLINK_COMMAND_BUFFERS" in os.environ:
-        o.command_buffers = os.environ["JAX_BLINK_COMMAND_BUFFERS"].lower() in ("1", "true", "yes")
-    if "JAX_BLINK_FALLBACK" in os.environ:
-        o.fallback = os.environ["JAX_BLINK_FALLBACK"]
-    o.validate()
+                raise ValueError(f"JAX_BLINK_CHUNK_BYTES must be a number of bytes (65536, 512K, 16M) "
+                                 f"or {AUTO!r}, got {text!r}") from None
+    if "JAX_BLINK_DISPATCH" in env:
+        o.dispatch = env["JAX_BLINK_DISPATCH"]
+    if "JAX_BLINK_COMMAND_BUFFERS" in env:
+        flag = env["JAX_BLINK_COMMAND_BUFFERS"].strip().lower()
+        if flag not in _TRUE + _FALSE:
+            raise ValueError(f"JAX_BLINK_COMMAND_BUFFERS must be 1/true/yes/on or 0/false/no/off, "
+                             f"got {env['JAX_BLINK_COMMAND_BUFFERS']!r}")
+        o.command_buffers = flag in _TRUE
+    if "JAX_BLINK_FALLBACK" in env:
+        o.fallback = env["JAX_BLINK_FALLBACK"]
+    try:
+        o.validate()
+    except ValueError as e:  # name the variable: the value came from the environment
+        raise ValueError(f"from the JAX_BLINK_* environment: {e}") from None
     return o
 
 

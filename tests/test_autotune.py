@@ -175,8 +175,37 @@ def test_options_accept_auto_and_reject_nonsense(monkeypatch):
     assert options._from_env().chunk_bytes == "auto"
     monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "65536")
     assert options._from_env().chunk_bytes == 65536
-    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "lots")
-    with pytest.raises(ValueError, match="JAX_BLINK_CHUNK_BYTES"):
+    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "512K")  # the executor's units
+    assert options._from_env().chunk_bytes == 512 << 10
+    for bad in ("lots", "16MB", "-4096", "1.5M", "８"):
+        monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", bad)
+        with pytest.raises(ValueError, match="JAX_BLINK_CHUNK_BYTES"):
+            options._from_env()
+    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "8")  # parsed, then refused by validate(): named too
+    with pytest.raises(ValueError, match="environment: chunk_bytes must be >= 16"):
+        options._from_env()
+    monkeypatch.delenv("JAX_BLINK_CHUNK_BYTES")
+
+
+def test_options_from_the_environment_name_what_they_refuse(monkeypatch):
+    assert options.parse_byte_count("16M") == 16 << 20 and options.parse_byte_count("7") == 7
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAX_BLINK_TIMEOUT_S must be a number of seconds"):
+        options._from_env()
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="environment: timeout_s must be > 0"):
+        options._from_env()
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "2.5")
+    assert options._from_env().timeout_s == 2.5
+    for text, want in (("1", True), ("ON", True), ("no", False), ("", False)):
+        monkeypatch.setenv("JAX_BLINK_COMMAND_BUFFERS", text)
+        assert options._from_env().command_buffers is want
+    monkeypatch.setenv("JAX_BLINK_COMMAND_BUFFERS", "maybe")
+    with pytest.raises(ValueError, match="JAX_BLINK_COMMAND_BUFFERS must be"):
+        options._from_env()
+    monkeypatch.delenv("JAX_BLINK_COMMAND_BUFFERS")
+    monkeypatch.setenv("JAX_BLINK_DISPATCH", "fast")
+    with pytest.raises(ValueError, match="environment: dispatch must be one of"):
         options._from_env()
 
 

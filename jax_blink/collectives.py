@@ -182,7 +182,13 @@ def _peer_access_problem(n: int) -> str | None:
 def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
     """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
     problem = None
-    if not _backends.register(platform):
+    if jax.process_count() > 1:
+        # The executors meet a collective's ranks inside one process (threads on CPU host devices,
+        # one process driving its GPUs); across processes the first call would wait out its
+        # time budget for peers that live elsewhere.
+        problem = (f"this job runs {jax.process_count()} processes and the executors run a collective "
+                   "among the devices of one process")
+    elif not _backends.register(platform):
         problem = f"no {platform} executor in this build"
     elif platform == "gpu":
         problem = _peer_access_problem(n)

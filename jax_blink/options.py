@@ -9,7 +9,8 @@
 ``JAX_BLINK_DISPATCH``    ``auto`` (default): ``all_reduce`` uses ``lax.psum`` where that was measured
                           faster (jax_blink/tuning.py); ``blink``: always the executor; ``lax``: never
 ``JAX_BLINK_FALLBACK``    ``warn`` (default): use ``lax`` collectives with one warning where no
-                          executor can run (no peer access, no CUDA build); ``raise``: refuse;
+                          executor can run (no peer access, no CUDA build, several processes);
+                          ``raise``: refuse;
                           ``silent``: fall back without a word.
 """
 from __future__ import annotations

@@ -478,6 +478,27 @@ def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):
         run()
 
 
+def test_a_multi_process_job_falls_back_to_lax_or_raises(monkeypatch):
+    """One process per GPU (jax.distributed) is out of the executors' reach: lax, with a warning
+    that says why, instead of a first call that waits out its time budget."""
+    from jax_blink import collectives
+
+    monkeypatch.setattr(collectives.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(collectives, "_warned", set())
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(14), (N, 6), "float32"), P("x"))
+
+    def run():  # a new function each time: jit caches traces
+        return _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
+
+    with pytest.warns(RuntimeWarning, match="2 processes .* falls back to XLA's own collective"):
+        out = run()
+    np.testing.assert_allclose(np.asarray(out)[0], np.asarray(x).sum(0), rtol=1e-5)
+    monkeypatch.setattr(jax_blink.config, "fallback", "raise")
+    with pytest.raises(RuntimeError, match="runs 2 processes"):
+        run()
+
+
 @pytest.mark.parametrize("name", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
 def test_vmap_matches_lax(name):
     mesh = _mesh((N, "x"))

@@ -102,6 +102,17 @@ CROSSOVERS: tuple[Crossover, ...] = (
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.4.json")),
+    # CPU host devices (the CPU executor: threads meeting in one process) on a 2-core machine,
+    # 2026-11-23, float32 and bfloat16, 1 KiB-16 MiB, --slope 60. Two ranks: ours 1.4-2.2x faster up
+    # to 16 KiB (float32), psum 2-3x faster from 1 to 4 MiB; four and eight ranks: psum 1.8-4x
+    # faster at every size (the executor's rendezvous costs more than XLA's in-process all-reduce).
+    # Other CPUs may differ: measure them (python -m jax_blink.bench, then python -m jax_blink crossover).
+    Crossover("cpu", 2, ((524288, 8388608),), (
+        "benchmarks/results/allreduce-cpu-2core-2dev-2026-11-23.json",)),
+    Crossover("cpu", 4, ((0, None),), (
+        "benchmarks/results/allreduce-cpu-2core-4dev-2026-11-23.json",)),
+    Crossover("cpu", 8, ((0, None),), (
+        "benchmarks/results/allreduce-cpu-2core-8dev-2026-11-23.json",)),
 )
 
 

@@ -38,8 +38,8 @@ def main() -> None:
         def body(v):
             for i in range(a.k):
                 v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                         comm_id=np.int64(10_000_000 + 1000 * (target == _backends.TARGET_CB)
-                                         + 2000 * side_effect + i),
+                         comm_id=np.int64(10_000_000 + 1_000_000 * (target == _backends.TARGET_CB)
+                                         + 2_000_000 * side_effect + i),  # apart for any --k < 10**6
                          timeout_ms=np.int64(10_000), host_share=np.float32(0))
             return v
         return jax.jit(body)

@@ -268,6 +268,7 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
                      topology=None, method="exact", result_type=None):
     """One ``jax_blink_collective`` custom call over a flat operand."""
+    config.validate()  # options set in code are checked here, when a call uses them
     n = _axis_size(axes)
     platform = _platform()
     topo = _topology_for(n, platform, topology)

@@ -20,6 +20,7 @@ import operator
 import os
 
 _FALLBACKS = ("warn", "raise", "silent")
+MAX_TIMEOUT_S = 1e6  # the budget travels in milliseconds as an int64 attribute; 11 days is plenty
 _DISPATCH = ("auto", "blink", "lax")
 #: ``chunk_bytes`` value that means: the tuned chunk from the cache of :mod:`jax_blink.autotune`.
 AUTO = "auto"
@@ -51,8 +52,8 @@ class Options:
     dispatch: str = "auto"
 
     def validate(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # also refuses nan and inf
+            raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {self.timeout_s}")
         check_chunk_bytes(self.chunk_bytes)
         if self.dispatch not in _DISPATCH:
             raise ValueError(f"dispatch must be one of {_DISPATCH}, got {self.dispatch!r}")
@@ -68,14 +69,16 @@ def parse_byte_count(text: str) -> int:
     """``"65536"``, ``"512K"``, ``"16M"``, ``"1G"`` (binary units, any case) -> bytes, as the CUDA
     executor reads its byte-count variables; ValueError for anything else."""
     digits, unit = (text[:-1], text[-1:].lower()) if text[-1:].isalpha() else (text, "")
-    if not digits.isdigit() or not digits.isascii() or unit not in _UNITS:
+    if not digits.isdigit() or not digits.isascii() or unit not in _UNITS \
+            or int(digits) << _UNITS[unit] >= 1 << 63:
         raise ValueError(f"not a byte count: {text!r} (examples: 65536, 512K, 16M, 1G)")
     return int(digits) << _UNITS[unit]
 
 
 def _from_env() -> Options:
     o = Options()
-    env = os.environ
+    # An empty variable counts as unset, as the CUDA executor reads its own.
+    env = {k: v for k, v in os.environ.items() if k.startswith("JAX_BLINK_") and v}
     if "JAX_BLINK_TIMEOUT_S" in env:
         try:
             o.timeout_s = float(env["JAX_BLINK_TIMEOUT_S"])
@@ -93,15 +96,15 @@ def _from_env() -> Options:
                 raise ValueError(f"JAX_BLINK_CHUNK_BYTES must be a number of bytes (65536, 512K, 16M) "
                                  f"or {AUTO!r}, got {text!r}") from None
     if "JAX_BLINK_DISPATCH" in env:
-        o.dispatch = env["JAX_BLINK_DISPATCH"]
+        o.dispatch = env["JAX_BLINK_DISPATCH"].strip().lower()
     if "JAX_BLINK_COMMAND_BUFFERS" in env:
         flag = env["JAX_BLINK_COMMAND_BUFFERS"].strip().lower()
-        if flag not in _TRUE + _FALSE:
+        if flag not in _TRUE + _FALSE:  # "" never gets here: empty is unset
             raise ValueError(f"JAX_BLINK_COMMAND_BUFFERS must be 1/true/yes/on or 0/false/no/off, "
                              f"got {env['JAX_BLINK_COMMAND_BUFFERS']!r}")
         o.command_buffers = flag in _TRUE
     if "JAX_BLINK_FALLBACK" in env:
-        o.fallback = env["JAX_BLINK_FALLBACK"]
+        o.fallback = env["JAX_BLINK_FALLBACK"].strip().lower()
     try:
         o.validate()
     except ValueError as e:  # name the variable: the value came from the environment

@@ -36,45 +36,60 @@ class Crossover:
 
 def _lax_won(row: dict) -> bool:
     """psum was faster at this row by the 20-call time and, where measured, by the marginal cost."""
-    slope = float(row.get("slope_speedup", "nan"))
+    slope = row.get("slope_speedup")
+    slope = float("nan") if slope is None else float(slope)
     return float(row["speedup"]) < 1.0 and (math.isnan(slope) or slope < 1.0)
+
+
+def _read_run(src: str, root: str) -> tuple[tuple[str, int], dict[int, bool]]:
+    """(device kind, ranks) of a bench run and, per size it measured, whether psum won there."""
+    try:
+        with open(os.path.join(root, src)) as f:
+            doc = json.load(f)
+        meta, rows = doc["meta"], doc["rows"]
+        collective = meta.get("collective") or os.path.basename(src).split("-")[0]
+        kind = (meta["device_kind"], int(meta["n"]))
+        points = [(int(r["size"]), str(r.get("dtype", "")), int(r.get("wrong", 0)), _lax_won(r)) for r in rows]
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{src}: not a readable bench result (python -m jax_blink.bench -o DIR writes "
+                         f"one): {type(e).__name__}: {e}") from None
+    if collective != "allreduce":
+        raise ValueError(f"{src}: not an all-reduce bench run ({collective})")
+    won: dict[int, bool] = {}
+    for size, dtype, wrong, lax_won in points:
+        if wrong:
+            raise ValueError(f"{src}: {size} bytes {dtype} had {wrong} wrong elements; a run with wrong "
+                             "results decides nothing")
+        won[size] = won.get(size, True) and lax_won
+    return kind, won
 
 
 def derive(sources: Sequence[str], root: str = ".") -> Crossover:
     """The crossover entry that the all-reduce bench runs ``sources`` (JSON files written by
     ``python -m jax_blink.bench -o DIR``; paths relative to ``root``) support.
 
-    A size goes to ``lax.psum`` only if psum won there in every run and every dtype, by the 20-call
-    time and (where the run has it) the marginal cost of a call: below a few hundred KiB both
-    measures move by tens of percent between runs, and a dispatch rule must not follow that noise.
-    Between two measured sizes the boundary is their geometric mean; below the smallest and above
-    the largest size measured the nearest measured size decides.
+    A size goes to ``lax.psum`` only if psum won there in every run that measured it and in every
+    dtype, by the 20-call time and (where the run has it) the marginal cost of a call: below a few
+    hundred KiB both measures move by tens of percent between runs, and a dispatch rule must not
+    follow that noise. Between two measured sizes the boundary is their geometric mean; below the
+    smallest and above the largest size measured the nearest measured size decides.
 
     Raises ValueError when the runs disagree on the machine (device kind, rank count), when one
-    is not an all-reduce run, or when they share no size.
+    is not an all-reduce run, cannot be read, or had wrong results.
     """
     if not sources:
         raise ValueError("derive() needs at least one bench JSON file")
-    kinds, won_everywhere, measured = set(), None, None
+    kinds, lax_won = set(), {}
     for src in sources:
-        if not os.path.basename(src).startswith("allreduce-"):
-            raise ValueError(f"{src}: not an all-reduce bench run (its name starts with the collective)")
-        try:
-            with open(os.path.join(root, src)) as f:
-                doc = json.load(f)
-            meta, rows = doc["meta"], doc["rows"]
-            kinds.add((meta["device_kind"], int(meta["n"])))
-            sizes = {int(r["size"]) for r in rows}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{src}: not a readable bench result (python -m jax_blink.bench -o DIR writes "
-                             f"one): {type(e).__name__}: {e}") from None
-        won = {s for s in sizes if all(_lax_won(r) for r in rows if int(r["size"]) == s)}
-        measured = sizes if measured is None else measured & sizes
-        won_everywhere = won if won_everywhere is None else won_everywhere & won
+        kind, won = _read_run(src, root)
+        kinds.add(kind)
+        for size, w in won.items():
+            lax_won[size] = lax_won.get(size, True) and w
     if len(kinds) != 1:
         raise ValueError(f"the runs are of different machines: {sorted(kinds)}; derive one entry per machine")
-    if not measured:
-        raise ValueError("the runs share no size")
+    if not lax_won:
+        raise ValueError("the runs measured no size")
+    measured, won_everywhere = set(lax_won), {s for s, w in lax_won.items() if w}
     order = sorted(measured)
     lax = [s in won_everywhere for s in order]
     ranges, i = [], 0

@@ -322,7 +322,7 @@ int64_t EnvBytes(const char* name, int64_t fallback) {
 }
 bool EnvCount(const char* name, int64_t lo, int64_t hi, int64_t* out) {  // a plain integer in [lo, hi]
   const char* e = EnvValue(name);
-  if (e == nullptr) return false;
+  if (e == nullptr || *e < '0' || *e > '9') return false;  // digits only: no sign, no blank
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(e, &end, 10);
@@ -332,7 +332,9 @@ bool EnvCount(const char* name, int64_t lo, int64_t hi, int64_t* out) {  // a pl
 }
 bool EnvShare(double* out) {  // JAX_BLINK_HOST_SHARE: a fraction in [0, 1]
   const char* e = EnvValue("JAX_BLINK_HOST_SHARE");
-  if (e == nullptr) return false;
+  // Plain decimal ("0.09", ".5", "1e-1"): strtod alone would also take blanks, signs, hex, inf.
+  if (e == nullptr || std::strchr("0123456789.", *e) == nullptr || e[std::strspn(e, "0123456789.eE+-")] != 0)
+    return false;
   char* end = nullptr;
   const double v = std::strtod(e, &end);
   if (end == e || *end != 0 || !(v >= 0.0 && v <= 1.0)) return false;
@@ -394,7 +396,7 @@ std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, C
 
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// A byte count from the environment (decimal or 0x...), `fallback` when unset or not a number >= 0.
+// The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 int64_t OneShotChunksPerBlock() {

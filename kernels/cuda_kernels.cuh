@@ -903,7 +903,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
       }
       __syncthreads();
       combine_range<E, Op>(nullptr, in + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), n - 1, len);
-      __syncthreads();  // sh.dst is rewritten by the next store; reduce() reads sh.src only
+      __syncthreads();  // every thread's stores of c before flag(c); sh.dst is rewritten by the next store
     };
     auto flag = [&](int64_t c) {  // every thread's stores of c are before a __syncthreads() by now
       if (tid == 0)

@@ -195,8 +195,18 @@ def test_options_from_the_environment_name_what_they_refuse(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "0")
     with pytest.raises(ValueError, match="environment: timeout_s must be > 0"):
         options._from_env()
+    for bad in ("inf", "nan", "1e17"):
+        monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="environment: timeout_s must be > 0 and at most"):
+            options._from_env()
     monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "2.5")
     assert options._from_env().timeout_s == 2.5
+    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "")  # empty: unset, the default
+    assert options._from_env().timeout_s == options.Options().timeout_s
+    monkeypatch.setenv("JAX_BLINK_DISPATCH", " LAX ")
+    assert options._from_env().dispatch == "lax"
+    with pytest.raises(ValueError, match="not a byte count"):
+        options.parse_byte_count("8589934592G")  # past int64, as the executor refuses it
     for text, want in (("1", True), ("ON", True), ("no", False), ("", False)):
         monkeypatch.setenv("JAX_BLINK_COMMAND_BUFFERS", text)
         assert options._from_env().command_buffers is want

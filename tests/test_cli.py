@@ -127,4 +127,4 @@ def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
     code = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
     assert eval(code, {"Crossover": tuning.Crossover}) == entry  # noqa: S307 (our own output)
     assert main(["crossover", "benchmarks/results/plan_time-cpu-2026-11-22.txt"]) == 2
-    assert "not an all-reduce bench run" in capsys.readouterr().err
+    assert "not a readable bench result" in capsys.readouterr().err

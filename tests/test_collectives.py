@@ -434,6 +434,10 @@ def test_derive_sends_a_size_to_psum_only_where_it_won_every_run(tmp_path):
     b = _bench_json(tmp_path / "allreduce-b.json", "GPU X", 2, [
         (s * K, "float32", 1.1 if s == 64 else 0.5, None) for s in (1, 4, 16, 64, 256, 1024)])
     assert tuning.derive([a, b]).lax_ranges == ((0, 2 * K), (8 * K, 32 * K), (512 * K, None))
+    # Runs that measured different sizes: each size is decided by the runs that measured it.
+    d = _bench_json(tmp_path / "allreduce-d.json", "GPU X", 2, [
+        (1024 * K, "float32", 0.5, 0.5), (4096 * K, "float32", 1.5, 1.5), (16384 * K, "float32", 1.5, 1.5)])
+    assert tuning.derive([a, d]).lax_ranges == ((0, 2 * K), (8 * K, 128 * K), (512 * K, 2048 * K))
     # One dtype that lost is enough to keep a size on the executor.
     c2 = _bench_json(tmp_path / "allreduce-c.json", "GPU X", 2, [
         (1 * K, "float32", 0.5, 0.5), (1 * K, "bfloat16", 1.01, 0.5), (4 * K, "float32", 1.5, 1.5)])
@@ -448,7 +452,7 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="different machines"):
         tuning.derive([a, b])
     c = _bench_json(tmp_path / "broadcast-c.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
-    with pytest.raises(ValueError, match="not an all-reduce bench run"):
+    with pytest.raises(ValueError, match="not an all-reduce bench run"):  # by its name: no meta
         tuning.derive([c])
     with pytest.raises(ValueError, match="not a readable bench result"):
         tuning.derive([str(tmp_path / "allreduce-missing.json")])
@@ -457,6 +461,17 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
         tuning.derive([str(tmp_path / "allreduce-bad.json")])
     with pytest.raises(ValueError, match="at least one"):
         tuning.derive([])
+    e = _bench_json(tmp_path / "allreduce-e.json", "GPU X", 2, [(1024, "float32", None, None)])
+    with pytest.raises(ValueError, match="not a readable bench result"):
+        tuning.derive([e])  # a row without a speedup
+    (tmp_path / "allreduce-f.json").write_text(json.dumps(dict(
+        meta=dict(device_kind="GPU X", n=2), rows=[dict(size=1024, dtype="float32", speedup=0.5, wrong=3)])))
+    with pytest.raises(ValueError, match="had 3 wrong elements"):
+        tuning.derive([str(tmp_path / "allreduce-f.json")])
+    (tmp_path / "allreduce-g.json").write_text(json.dumps(dict(
+        meta=dict(device_kind="GPU X", n=2, collective="broadcast"), rows=[])))
+    with pytest.raises(ValueError, match=r"not an all-reduce bench run \(broadcast\)"):
+        tuning.derive([str(tmp_path / "allreduce-g.json")])
 
 
 def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):

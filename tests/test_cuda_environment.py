@@ -60,6 +60,10 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_HOST_BLOCKS", "-3", "from 0 to 65536"),
     ("JAX_BLINK_HOST_SHARE", "9%", "fraction from 0 to 1"),
     ("JAX_BLINK_HOST_SHARE", "1.5", "fraction from 0 to 1"),
+    ("JAX_BLINK_HOST_SHARE", "0x0.8p0", "fraction from 0 to 1"),
+    ("JAX_BLINK_HOST_SHARE", " 0.5", "fraction from 0 to 1"),
+    ("JAX_BLINK_HOST_BLOCKS", "+4", "from 0 to 65536"),
+    ("JAX_BLINK_CUDA_BLOCKS", " 4", "from 0 to 65536"),
     ("JAX_BLINK_HOST_ENGINE", "copy", "sm .* or ce"),
 ])
 def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):

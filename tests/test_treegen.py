@@ -37,30 +37,52 @@ def digraphs(draw, min_n=2, max_n=7):
     return n, edges
 
 
+def _min_arborescence_weight(n: int, edges) -> float | None:
+    """The least weight of an arborescence rooted at 0, by trying every choice of parents (the
+    reference: networkx 3.6's minimum_spanning_arborescence wrongly finds none on some of these
+    graphs with zero-weight edges, e.g. 9% of weightings of one 6-node graph)."""
+    into = {v: [(u, w) for u, vv, w in edges if vv == v and u != v] for v in range(1, n)}
+    best = None
+    for choice in itertools.product(*(into[v] for v in range(1, n))):
+        parent = {v: u for v, (u, _) in zip(range(1, n), choice)}
+        ok = True
+        for v in range(1, n):  # every node reaches the root through its parents
+            seen, x = set(), v
+            while x != 0 and x not in seen:
+                seen.add(x)
+                x = parent[x]
+            ok = ok and x == 0
+        if ok:
+            w = sum(w for _, w in choice)
+            best = w if best is None else min(best, w)
+    return best
+
+
 @settings(max_examples=60, deadline=None)
-@given(digraphs(), st.randoms(use_true_random=False))
-def test_min_arborescence_matches_networkx(graph, rnd):
+@given(digraphs(max_n=6), st.randoms(use_true_random=False))
+def test_min_arborescence_is_minimum(graph, rnd):
     n, caps = graph
     edges = [(u, v, rnd.choice([0.0, 0.5, 1.0, 3.0, 7.5])) for (u, v) in caps]
-    g = nx.DiGraph()
-    g.add_nodes_from(range(n))
-    for u, v, w in edges:
-        if v != 0:
-            g.add_edge(u, v, weight=w)
     ours = treegen.min_arborescence(list(range(n)), 0, edges)
-    try:
-        ref = nx.minimum_spanning_arborescence(g, attr="weight")
-    except nx.NetworkXException:
-        ref = None
-    reach = nx.descendants(g, 0) | {0}
-    if len(reach) < n:
+    want = _min_arborescence_weight(n, edges)
+    if want is None:  # some node cannot be reached from the root
         assert ours is None
         return
-    assert ours is not None and ref is not None
+    assert ours is not None
     tree = nx.DiGraph([(edges[i][0], edges[i][1]) for i in ours])
     tree.add_nodes_from(range(n))
     assert nx.is_arborescence(tree) and tree.in_degree(0) == 0
-    assert sum(edges[i][2] for i in ours) == pytest.approx(ref.size(weight="weight"))
+    assert sum(edges[i][2] for i in ours) == pytest.approx(want)
+
+
+def test_min_arborescence_where_networkx_finds_none():
+    # networkx 3.6.1 raises "No minimum spanning arborescence in G" here; one exists (weight 21).
+    edges = [(0, 1, 3.0), (1, 0, 7.5), (1, 2, 7.5), (2, 1, 1.0), (2, 4, 1.0), (2, 5, 3.0), (3, 0, 1.0),
+             (3, 1, 0.5), (3, 2, 7.5), (3, 4, 0.0), (3, 5, 3.0), (4, 1, 0.0), (5, 1, 1.0), (5, 2, 0.0),
+             (5, 3, 7.5)]
+    ours = treegen.min_arborescence(list(range(6)), 0, edges)
+    assert ours is not None
+    assert sum(edges[i][2] for i in ours) == pytest.approx(_min_arborescence_weight(6, edges)) == 21.0
 
 
 @settings(max_examples=40, deadline=None)

@@ -3,8 +3,8 @@
 # writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
-# Steps: build selftest tests sanitizer hybrid oneshot ce overhead bench (oneshot and hybrid use the
-# self-test binary that selftest builds).
+# Steps: build selftest tests sanitizer hybrid ce overhead bench (hybrid uses the self-test binary
+# that selftest builds).
 # Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
@@ -47,13 +47,6 @@ for step in $STEPS; do
     hybrid)
       log hybrid
       ST=/tmp/selftest timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
-    oneshot)  # the one-shot kernel's chunks per block (NOTES.md change 6), 1-16 MiB, after selftest
-      log oneshot
-      for k in 1 2 4; do
-        echo "# JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK=$k" | tee -a "$OUT/oneshot.log"
-        JAX_BLINK_ONESHOT_BYTES=16777216 JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK=$k timeout 60 \
-          /tmp/selftest --bench --mode oneshot --min 1M --max 16M 2>&1 | tee -a "$OUT/oneshot.log" | grep oneshot
-      done ;;
     ce)  # the copy-engine host channel through XLA, 256 MiB-1 GiB (NOTES.md change 4)
       log ce
       JAX_BLINK_HOST_ENGINE=ce timeout 300 python3 -m jax_blink.bench -b 256M -e 1G -f 4 -d float32 --slope 60 \

@@ -61,8 +61,7 @@
 //            The second flag carries the call site: ranks that ran different sites at call k
 //            never match (reported as a mismatch at the time-out).
 //   kOneShot chunks of plain 16-byte stores, then one st.release.sys flag per chunk (64-bit:
-//            call number | site); pipelined per block (store chunk c + G, reduce chunk c, then flag
-//            c + G: the link drains c + G during the reduce);
+//            call number | site); pipelined per block (send chunk c + G before reducing chunk c);
 //            2 ranks only (on n ranks one-shot moves n-1 copies per rank).
 // The inbox has two slots per peer by call parity, and its call counter belongs to the
 // communicator (shared by its one-shot sites, bumped by every one-shot call on that rank). Why two
@@ -342,7 +341,6 @@ bool EnvShare(double* out) {  // JAX_BLINK_HOST_SHARE: a fraction in [0, 1]
   return true;
 }
 constexpr int64_t kMaxCudaBlocks = 1 << 16;
-constexpr int64_t kMaxOneShotChunksPerBlock = 64;
 
 std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, Comm** out) {
   int blocks = opt.blocks;
@@ -399,11 +397,6 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
-int64_t OneShotChunksPerBlock() {
-  int64_t k = kDefaultOneShotChunksPerBlock;
-  EnvCount("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", 1, kMaxOneShotChunksPerBlock, &k);
-  return k;
-}
 
 // The largest tail of at most `elems` of `total` elements that starts at a multiple of `align`.
 int64_t SliceFromAlignedStart(int64_t total, int64_t elems, int64_t align) {
@@ -851,11 +844,9 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
         const int64_t lines = (payload + 7) / 8;
         base.grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
       } else {
-        // Chunks: the program's chunk, but small enough to give every block OneShotChunksPerBlock()
-        // of them (>= 4 KiB, 16-byte multiples): with two or more a block reduces one while the
-        // link drains the next.
-        const int64_t per = G * OneShotChunksPerBlock();
-        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + per - 1) / per, 16));
+        // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte
+        // multiples). More chunks per block measured slower (benchmarks/NOTES.md, change 6).
+        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + G - 1) / G, 16));
         const int64_t cbytes = std::max<int64_t>(kMinOneShotChunk, AlignUp(std::min<int64_t>(prog.chunk_elems() * esize, spread), 16));
         base.os_chunk = cbytes / esize;
         const int64_t nch = (prog.total_elems() + base.os_chunk - 1) / base.os_chunk;
@@ -1334,9 +1325,6 @@ std::string CheckEnvironment() {
                            "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES"})
     if (EnvValue(name) != nullptr && !ParseByteCount(EnvValue(name), &v))
       bad(name, "a byte count such as 8388608, 512K, 16M or 1G");
-  if (EnvValue("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK") != nullptr &&
-      !EnvCount("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", 1, kMaxOneShotChunksPerBlock, &v))
-    bad("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "an integer from 1 to 64");
   for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS"})
     if (EnvValue(name) != nullptr && !EnvCount(name, 0, kMaxCudaBlocks, &v))
       bad(name, "an integer from 0 to 65536");

@@ -58,9 +58,6 @@ struct Options {
 };
 constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chunked one-shot up to 512 KiB (2 x H200)
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
-// JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK. 1: the chunking measured on 2 x H200 (NOTES.md change 2); 2 or
-// more lets a block reduce one chunk while the link drains the next (change 6: not yet measured on NVLink).
-constexpr int64_t kDefaultOneShotChunksPerBlock = 1;
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the host channel from 256 MiB
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)

@@ -875,11 +875,8 @@ __device__ bool wait_tag(const Params& p, Shared& sh, const uint64_t* flag, uint
 }
 
 // Mode::kOneShot. Block b owns chunks b, b + grid, ...: it copies chunk c into every peer's inbox
-// and release-flags it there, and reduces chunk c once every peer's flag for c is in. Chunk
-// c + grid is stored before the block reduces c and flagged after: a release waits until the
-// block's stores have landed, so flagging c + grid at once would keep the block (and the link's
-// next bytes) idle for the reduce; flagged after it, the link drains c + grid while c is reduced
-// (the intent; not yet measured on NVLink: benchmarks/NOTES.md change 6).
+// and release-flags it there, and reduces chunk c once every peer's flag for c is in, sending
+// chunk c + grid before it waits for c.
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
   using S = typename E::S;
@@ -893,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
     S* out = static_cast<S*>(p.out);
     const int64_t C = p.os_chunk, total = p.os_elems;
     const int64_t nch = (total + C - 1) / C;
-    auto store = [&](int64_t c) {  // chunk c into every peer's inbox, not yet flagged
+    auto send = [&](int64_t c) {
       const int64_t lo = c * C, len = min(C, total - lo);
       if (tid == 0) {
         int nd = 0;
@@ -903,9 +900,7 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
       }
       __syncthreads();
       combine_range<E, Op>(nullptr, in + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), n - 1, len);
-      __syncthreads();  // every thread's stores of c before flag(c); sh.dst is rewritten by the next store
-    };
-    auto flag = [&](int64_t c) {  // every thread's stores of c are before a __syncthreads() by now
+      __syncthreads();  // every thread's stores before the release
       if (tid == 0)
         for (int dst = 0; dst < n; ++dst)
           if (dst != me) sync::st_release_sys_u64(stg_flags(p, sh.stg_peer[dst], par, inbox_slot(me, dst)) + c, tag);
@@ -928,16 +923,10 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
       return true;
     };
     int64_t c = blockIdx.x;
-    if (c < nch) {
-      store(c);
-      flag(c);
-    }
+    if (c < nch) send(c);
     for (; c < nch; c += gridDim.x) {
-      const bool next = c + gridDim.x < nch;
-      if (next) store(c + gridDim.x);
-      const bool ok = reduce(c);  // its __syncthreads(): c + grid's stores are all issued
-      if (next) flag(c + gridDim.x);  // even after a failure: the peer is not left to time out on it
-      if (!ok) break;
+      if (c + gridDim.x < nch) send(c + gridDim.x);
+      if (!reduce(c)) break;
     }
   }
   oneshot_end(p, sh);

@@ -14,8 +14,7 @@ except ImportError:  # not built (no nvcc) or not importable here
 pytestmark = pytest.mark.skipif(_blink_cuda is None or not hasattr(_blink_cuda, "check_environment"),
                                 reason="jax_blink._blink_cuda not built")
 
-VARIABLES = ("JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK",
-             "JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES",
+VARIABLES = ("JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES",
              "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_SHARE",
              "JAX_BLINK_HOST_ENGINE")
 
@@ -40,7 +39,7 @@ def test_byte_counts_take_binary_units():
 def test_good_values_pass(monkeypatch):
     _blink_cuda.check_environment()  # nothing set
     for name, value in [("JAX_BLINK_LL_BYTES", "256K"), ("JAX_BLINK_ONESHOT_BYTES", "16777216"),
-                        ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "2"), ("JAX_BLINK_CUDA_BLOCKS", "0"),
+                        ("JAX_BLINK_CUDA_BLOCKS", "0"),
                         ("JAX_BLINK_HOST_MIN_BYTES", "256M"), ("JAX_BLINK_HOST_MAX_BYTES", "1G"),
                         ("JAX_BLINK_HOST_CHUNK_BYTES", "16M"), ("JAX_BLINK_HOST_BLOCKS", "16"),
                         ("JAX_BLINK_HOST_SHARE", "0.09"), ("JAX_BLINK_HOST_ENGINE", "CE")]:
@@ -54,8 +53,7 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_ONESHOT_BYTES", "16MB", "byte count"),
     ("JAX_BLINK_LL_BYTES", "-1", "byte count"),
     ("JAX_BLINK_HOST_CHUNK_BYTES", "lots", "byte count"),
-    ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "0", "from 1 to 64"),
-    ("JAX_BLINK_ONESHOT_CHUNKS_PER_BLOCK", "2K", "from 1 to 64"),
+    ("JAX_BLINK_CUDA_BLOCKS", "2K", "from 0 to 65536"),
     ("JAX_BLINK_CUDA_BLOCKS", "132.5", "from 0 to 65536"),
     ("JAX_BLINK_HOST_BLOCKS", "-3", "from 0 to 65536"),
     ("JAX_BLINK_HOST_SHARE", "9%", "fraction from 0 to 1"),

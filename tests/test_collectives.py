@@ -474,10 +474,19 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
         tuning.derive([str(tmp_path / "allreduce-g.json")])
 
 
-def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):
+@pytest.mark.parametrize("why", ["no executor", "several processes"])
+def test_where_the_executor_cannot_run_it_falls_back_to_lax_or_raises(monkeypatch, why):
+    """No executor built for the platform, or a job of several processes (jax.distributed, one
+    process per GPU: the executors meet a call's ranks inside one process; the first call would
+    wait out its time budget): lax, with a warning that says why, or an error with fallback=raise."""
     from jax_blink import collectives
 
-    monkeypatch.setattr(collectives._backends, "register", lambda platform: False)
+    if why == "no executor":
+        monkeypatch.setattr(collectives._backends, "register", lambda platform: False)
+        reason = "no .* executor in this build"
+    else:
+        monkeypatch.setattr(collectives.jax, "process_count", lambda: 2)
+        reason = "runs 2 processes"
     monkeypatch.setattr(collectives, "_warned", set())
     mesh = _mesh((N, "x"))
     x = _put(mesh, _random(np.random.default_rng(12), (N, 5), "float32"), P("x"))
@@ -485,32 +494,11 @@ def test_without_an_executor_falls_back_to_lax_or_raises(monkeypatch):
     def run():  # a new function each time: jit caches traces
         return _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
 
-    with pytest.warns(RuntimeWarning, match="falls back to XLA's own collective"):
+    with pytest.warns(RuntimeWarning, match=f"{reason}.* falls back to XLA's own collective"):
         out = run()
     np.testing.assert_allclose(np.asarray(out)[0], np.asarray(x).sum(0), rtol=1e-5)
     monkeypatch.setattr(jax_blink.config, "fallback", "raise")
-    with pytest.raises(RuntimeError, match="no .* executor in this build"):
-        run()
-
-
-def test_a_multi_process_job_falls_back_to_lax_or_raises(monkeypatch):
-    """One process per GPU (jax.distributed) is out of the executors' reach: lax, with a warning
-    that says why, instead of a first call that waits out its time budget."""
-    from jax_blink import collectives
-
-    monkeypatch.setattr(collectives.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(collectives, "_warned", set())
-    mesh = _mesh((N, "x"))
-    x = _put(mesh, _random(np.random.default_rng(14), (N, 6), "float32"), P("x"))
-
-    def run():  # a new function each time: jit caches traces
-        return _smap(lambda v: jax_blink.all_reduce(v, "x"), mesh, P("x"), P("x"))(x)
-
-    with pytest.warns(RuntimeWarning, match="2 processes .* falls back to XLA's own collective"):
-        out = run()
-    np.testing.assert_allclose(np.asarray(out)[0], np.asarray(x).sum(0), rtol=1e-5)
-    monkeypatch.setattr(jax_blink.config, "fallback", "raise")
-    with pytest.raises(RuntimeError, match="runs 2 processes"):
+    with pytest.raises(RuntimeError, match=reason):
         run()
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from . import _backends, autotune, schedule as _schedule, tuning
-from .options import AUTO, check_chunk_bytes, config
+from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
 
@@ -469,18 +469,37 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 # ---------------------------------------------------------------------------------------------
 # Looking inside.
 
-#: The CUDA executor's default for JAX_BLINK_HOST_MIN_BYTES (kDefaultHostMinBytes).
-HOST_MIN_BYTES = 256 << 20
+#: The CUDA executor's defaults for its size limits (kernels/cuda_executor.h: kDefaultLLMaxBytes,
+#: kDefaultOneShotMaxBytes, kDefaultHostMinBytes; a test keeps them equal), for explain().
+LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = 512 << 10, 8 << 20, 256 << 20
+_EXECUTOR_BYTES = {"JAX_BLINK_LL_BYTES": LL_BYTES, "JAX_BLINK_ONESHOT_BYTES": ONESHOT_BYTES,
+                   "JAX_BLINK_HOST_MIN_BYTES": HOST_MIN_BYTES}
+
+
+def _executor_bytes(name: str) -> int:
+    """A size limit of the CUDA executor as it reads it: the variable, else its default (a value
+    it does not understand fails its set-up, and a ValueError here)."""
+    text = os.environ.get(name, "")
+    if not text:
+        return _EXECUTOR_BYTES[name]
+    try:
+        return parse_byte_count(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not understood: it takes a byte count such as "
+                         "8388608, 512K, 16M or 1G; fix or unset it") from None
 
 
 def _host_min_bytes() -> int:
-    """JAX_BLINK_HOST_MIN_BYTES as the CUDA executor reads it: a non-negative integer, else the
-    default."""
-    try:
-        v = int(os.environ.get("JAX_BLINK_HOST_MIN_BYTES", ""), 0)
-    except ValueError:
-        return HOST_MIN_BYTES
-    return max(v, 1) if v >= 0 else HOST_MIN_BYTES
+    return max(_executor_bytes("JAX_BLINK_HOST_MIN_BYTES"), 1)
+
+
+def _gpu_kernel(n: int, nbytes: int) -> str:
+    """Which kernel the CUDA executor runs for an all-reduce of ``nbytes`` per rank on ``n`` GPUs."""
+    if nbytes <= _executor_bytes("JAX_BLINK_LL_BYTES") and n <= 8:
+        return "one LL kernel (data and flag in one 8-byte store, one hop; JAX_BLINK_LL_BYTES)"
+    if n == 2 and nbytes <= _executor_bytes("JAX_BLINK_ONESHOT_BYTES"):
+        return "one one-shot kernel (every rank writes into the other's inbox, one hop; JAX_BLINK_ONESHOT_BYTES)"
+    return "the trees below"
 
 
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
@@ -517,6 +536,15 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                 + (f" JAX_BLINK_HOST_SHARE={os.environ['JAX_BLINK_HOST_SHARE']} overrides the share."
                    if os.environ.get("JAX_BLINK_HOST_SHARE") else ""))
     kind = device_kind or _device_kind()
+    if collective == "allreduce":
+        lines.append(f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}; "
+                     "the CPU executor always runs the trees")
+        crossover = tuning.entry(kind, n)
+        if config.dispatch == "lax":
+            lines.append("dispatch=lax: lax.psum runs every all_reduce instead")
+        elif config.dispatch == "auto" and crossover is not None and crossover.prefers_lax(nbytes):
+            lines.append(f"dispatch=auto: lax.psum runs this call instead: it was measured faster on {n} x "
+                         f"{kind} at this size (jax_blink/tuning.py, from {', '.join(crossover.sources)})")
     chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
     prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,

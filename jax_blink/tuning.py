@@ -131,10 +131,13 @@ CROSSOVERS: tuple[Crossover, ...] = (
 )
 
 
+def entry(device_kind: str | None, ranks: int) -> Crossover | None:
+    """The table's entry for ``ranks`` devices of ``device_kind`` (None: not measured)."""
+    return next((c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks), None)
+
+
 def prefer_lax(device_kind: str | None, ranks: int, nbytes: int) -> bool:
     """True when ``lax.psum`` was measured faster than the executor for this call."""
-    for c in CROSSOVERS:
-        if c.device_kind == device_kind and c.ranks == ranks:
-            return c.prefers_lax(nbytes)
-    return False
+    c = entry(device_kind, ranks)
+    return c is not None and c.prefers_lax(nbytes)
 

@@ -301,6 +301,43 @@ def test_explain_names_trees_and_chunks():
     assert "tree 0" in text and "chunk" in text and "bound" in text
 
 
+def test_explain_names_the_gpu_kernel_and_the_dispatch(monkeypatch):
+    from jax_blink import tuning
+
+    pair = jax_blink.Topology.preset("nvswitch:2")
+    for nbytes, kernel in ((4096, "one LL kernel"), (4 << 20, "one one-shot kernel"), (64 << 20, "the trees")):
+        assert f"run as {kernel}" in jax_blink.explain(pair, nbytes)
+    monkeypatch.setenv("JAX_BLINK_ONESHOT_BYTES", "2M")  # read as the executor reads it
+    assert "run as the trees" in jax_blink.explain(pair, 4 << 20)
+    monkeypatch.setenv("JAX_BLINK_ONESHOT_BYTES", "2MB")
+    with pytest.raises(ValueError, match="JAX_BLINK_ONESHOT_BYTES='2MB' is not understood"):
+        jax_blink.explain(pair, 4 << 20)
+    monkeypatch.delenv("JAX_BLINK_ONESHOT_BYTES")
+    # The dispatch, from the measured table (a made-up entry for this machine kind).
+    entry = tuning.Crossover("GPU X", 2, ((1 << 20, None),), ("test",))
+    monkeypatch.setattr(tuning, "CROSSOVERS", (entry,))
+    monkeypatch.setattr(jax_blink.config, "dispatch", "auto")
+    assert "lax.psum runs this call instead" in jax_blink.explain(pair, 4 << 20, device_kind="GPU X")
+    assert "lax.psum" not in jax_blink.explain(pair, 4096, device_kind="GPU X")
+    monkeypatch.setattr(jax_blink.config, "dispatch", "lax")
+    assert "dispatch=lax" in jax_blink.explain(pair, 4096, device_kind="GPU X")
+
+
+def test_executor_size_defaults_match_the_cuda_header():
+    from jax_blink import collectives as C
+
+    header = open(os.path.join(os.path.dirname(__file__), "..", "kernels", "cuda_executor.h")).read()
+
+    def value(name):
+        m = re.search(rf"constexpr int64_t {name} = (?:int64_t{{(\d+)}}|(\d+)) << (\d+);", header)
+        assert m, name
+        return int(m.group(1) or m.group(2)) << int(m.group(3))
+
+    assert value("kDefaultLLMaxBytes") == C.LL_BYTES
+    assert value("kDefaultOneShotMaxBytes") == C.ONESHOT_BYTES
+    assert value("kDefaultHostMinBytes") == C.HOST_MIN_BYTES
+
+
 def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
     """The hybrid transfer's share travels in the call's ``host_share`` attribute: the plan's
     (treegen.hybrid_share) for a GPU all-reduce over a topology with host links, else 0."""

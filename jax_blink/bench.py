@@ -85,18 +85,6 @@ def _chained(fn, mesh, axis: str, k: int, **overrides):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def run_times(fn, x, runs: int) -> list[float]:
-    """Wall times of ``runs`` runs of ``fn(x)``, after compiling and one warm-up run."""
-    fn(x).block_until_ready()  # compile + warm up
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def interleaved_times(fns: list, x, runs: int, min_seconds: float = 0.0,
                       max_runs: int = 200) -> list[list[float]]:
     """Wall times of each of ``fns`` on ``x``, the functions taking turns (one run each per round,
@@ -117,6 +105,11 @@ def interleaved_times(fns: list, x, runs: int, min_seconds: float = 0.0,
             times[i].append(time.perf_counter() - t0)
         rounds += 1
     return times
+
+
+def run_times(fn, x, runs: int) -> list[float]:
+    """Wall times of ``runs`` runs of ``fn(x)``, after compiling and one warm-up run."""
+    return interleaved_times([fn], x, runs)[0]
 
 
 def median_time(fn, x, runs: int) -> float:

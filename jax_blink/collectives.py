@@ -539,12 +539,11 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
     if collective == "allreduce":
         lines.append(f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}; "
                      "the CPU executor always runs the trees")
-        crossover = tuning.entry(kind, n)
         if config.dispatch == "lax":
             lines.append("dispatch=lax: lax.psum runs every all_reduce instead")
-        elif config.dispatch == "auto" and crossover is not None and crossover.prefers_lax(nbytes):
+        elif config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes):
             lines.append(f"dispatch=auto: lax.psum runs this call instead: it was measured faster on {n} x "
-                         f"{kind} at this size (jax_blink/tuning.py, from {', '.join(crossover.sources)})")
+                         f"{kind} at this size (jax_blink/tuning.py, from {', '.join(tuning.entry(kind, n).sources)})")
     chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
     prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,

@@ -10,6 +10,7 @@ time in the CUDA self-test is XLA's launch path: the floor of any custom-call co
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +33,20 @@ def main() -> None:
     program = schedule.encode(schedule.Schedule(1, a.elems, a.elems, ()))
     x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
 
-    def chain(target, side_effect: bool = False):  # collectives.py makes no side-effect mark
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=side_effect)
+    ids = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
+
+    def chain(target, side_effect: bool = False, bare: bool = False):
+        """K chained calls of `target`: our binding (operand, rank, group, the attributes) or the
+        bare one (one operand, one result). No-op targets alias their result to the operand."""
+        noop = target in (_backends.TARGET_NOOP, _backends.TARGET_NOOP_BARE)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=side_effect,
+                                input_output_aliases={0: 0} if noop else None)
 
         def body(v):
-            for i in range(a.k):
-                v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                         comm_id=np.int64(10_000_000 + 1_000_000 * (target == _backends.TARGET_CB)
-                                         + 2_000_000 * side_effect + i),  # apart for any --k < 10**6
-                         timeout_ms=np.int64(10_000), host_share=np.float32(0))
+            for _ in range(a.k):
+                v = call(v) if bare else call(
+                    v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                    comm_id=np.int64(next(ids)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
             return v
         return jax.jit(body)
 
@@ -49,40 +55,17 @@ def main() -> None:
             v = lax.optimization_barrier(v * 1.0001)
         return v
 
-    def noop_chain(side_effect: bool = True):
-        # XLA's own price of an FFI call: our binding, no work, result aliased to x
-        call = jax.ffi.ffi_call(_backends.TARGET_NOOP, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                has_side_effect=side_effect, input_output_aliases={0: 0})
-
-        def body(v):
-            for i in range(a.k):
-                v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                         comm_id=np.int64(20_000_000 + i), timeout_ms=np.int64(10_000),
-                         host_share=np.float32(0))
-            return v
-        return jax.jit(body)
-
-    def bare_chain(side_effect: bool):  # the least binding: one operand, one result, no attributes
-        call = jax.ffi.ffi_call(_backends.TARGET_NOOP_BARE, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                has_side_effect=side_effect, input_output_aliases={0: 0})
-
-        def body(v):
-            for _ in range(a.k):
-                v = call(v)
-            return v
-        return jax.jit(body)
-
     rows = [("XLA elementwise op", jax.jit(xla_ops)),
             ("jax_blink custom call (plain)", chain(_backends.TARGET)),
             ("jax_blink custom call, side effect", chain(_backends.TARGET, True)),
             ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
     have = _backends.module("gpu" if platform == "gpu" else "cpu").registrations()
-    if _backends.TARGET_NOOP in have:
-        rows += [("no-op FFI call, same binding", noop_chain()),
-                 ("no-op, same binding, no side effect", noop_chain(False))]
+    if _backends.TARGET_NOOP in have:  # XLA's own price of an FFI call: our binding, no work
+        rows += [("no-op FFI call, same binding", chain(_backends.TARGET_NOOP, True)),
+                 ("no-op, same binding, no side effect", chain(_backends.TARGET_NOOP))]
     if _backends.TARGET_NOOP_BARE in have:
-        rows += [("no-op, bare binding", bare_chain(True)),
-                 ("no-op, bare binding, no side effect", bare_chain(False))]
+        rows += [("no-op, bare binding", chain(_backends.TARGET_NOOP_BARE, True, bare=True)),
+                 ("no-op, bare binding, no side effect", chain(_backends.TARGET_NOOP_BARE, bare=True))]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.k} chained calls, median of {a.runs}")
     for name, fn in rows:
         try:

@@ -38,17 +38,15 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import autotune, collectives
-from .options import config
+from .options import config, override, parse_byte_count
 from .schedule import DEFAULT_CHUNK_BYTES
 
 _TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3, "float64": 1e-12}
 
 
 def parse_size(text: str) -> int:
-    """'1K', '64M', '1G' or a byte count -> bytes."""
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    """'1K', '64M', '1G' or a byte count -> bytes (the grammar of every JAX_BLINK_* byte count)."""
+    return parse_byte_count(text.strip())
 
 
 def sizes(begin: int, end: int, factor: int) -> list[int]:
@@ -59,25 +57,9 @@ def sizes(begin: int, end: int, factor: int) -> list[int]:
     return out
 
 
-class _Overrides:
-    """Set ``config`` fields while a function is traced (options are read at trace time)."""
-
-    def __init__(self, **kw):
-        self.kw, self.saved = kw, {}
-
-    def __enter__(self):
-        for k, v in self.kw.items():
-            self.saved[k] = getattr(config, k)
-            setattr(config, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(config, k, v)
-
-
 def _chained(fn, mesh, axis: str, k: int, **overrides):
     def body(v):
-        with _Overrides(**overrides):
+        with override(**overrides):
             for _ in range(k):
                 v = fn(v, axis)
         return v
@@ -173,7 +155,7 @@ def _check(coll: Collective, mesh, axis, x) -> int:
     """Elements of one call of ours that differ from the lax reference by more than rounding (or
     that differ between ranks where every rank must hold the same result)."""
     spec = P(axis)
-    with _Overrides(dispatch="blink"):
+    with override(dispatch="blink"):
         ours = jax.jit(jax.shard_map(lambda v: coll.ours(v, axis), mesh=mesh,
                                      in_specs=spec, out_specs=spec))(x)
     ref = jax.jit(jax.shard_map(lambda v: coll.ref(v, axis), mesh=mesh,

@@ -19,7 +19,8 @@ def run_demo(size: int = 1 << 20, dtype: str = "float32", plot: str | None = Non
 
     import jax_blink
 
-    from .bench import _Overrides, median_time
+    from .bench import median_time
+    from .options import override
     from .tuning import prefer_lax
 
     devices = jax.devices()
@@ -45,7 +46,7 @@ def run_demo(size: int = 1 << 20, dtype: str = "float32", plot: str | None = Non
                                 in_specs=spec, out_specs=spec))
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * size), dtype),
                        NamedSharding(mesh, spec))
-    with _Overrides(dispatch="blink"):  # the executor itself, whatever the dispatch table says:
+    with override(dispatch="blink"):  # the executor itself, whatever the dispatch table says:
         ours(x).block_until_ready()     # options are read when jit traces, later calls reuse it
 
     timings = {name: median_time(fn, x, 10)

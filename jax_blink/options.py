@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import os
@@ -114,3 +115,17 @@ def _from_env() -> Options:
 
 #: The options in force. Values are read at trace time: change them before ``jit`` traces.
 config = _from_env()
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Set ``config`` fields for the duration of a ``with`` block (options are read when ``jit``
+    traces: trace inside the block), restoring them after."""
+    saved = {k: getattr(config, k) for k in fields}
+    try:
+        for k, v in fields.items():
+            setattr(config, k, v)
+        yield config
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)

@@ -369,8 +369,8 @@ def _collectives_arg(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_blink.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("-b", "--begin", default="1K", help="smallest size per rank (default 1K)")
-    ap.add_argument("-e", "--end", default="64M", help="largest size per rank (default 64M)")
+    ap.add_argument("-b", "--begin", default="1K", type=parse_size, help="smallest size per rank (default 1K)")
+    ap.add_argument("-e", "--end", default="64M", type=parse_size, help="largest size per rank (default 64M)")
     ap.add_argument("-f", "--factor", type=int, default=4, help="size step factor (default 4)")
     ap.add_argument("-d", "--dtype", default="float32,bfloat16", help="comma-separated dtypes")
     ap.add_argument("-k", "--chain", type=int, default=20, help="chained calls per program (default 20)")
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
         return 0
     wrong = 0
     for collective in a.collective:  # one table (and one set of files) per collective
-        rows = run(parse_size(a.begin), parse_size(a.end), a.factor, a.dtype.split(","), a.chain,
+        rows = run(a.begin, a.end, a.factor, a.dtype.split(","), a.chain,
                    a.runs, a.out, a.kind, a.command_buffers, a.ceiling, collective, a.slope,
                    a.tune_chunks, a.min_time)
         wrong += sum(r["wrong"] for r in rows)

@@ -3,8 +3,9 @@
 # writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
-# Steps: build selftest tests sanitizer hybrid ce overhead bench (hybrid uses the self-test binary
-# that selftest builds).
+# Steps: build selftest stbench tests sanitizer hybrid ce overhead bench (hybrid and stbench use
+# the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
+# .carry/, and then nothing is compiled for it).
 # Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
@@ -14,7 +15,7 @@ STEPS=${STEPS:-"build selftest tests bench"}
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  [ -d /tmp/site/ortools ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
@@ -27,13 +28,16 @@ for step in $STEPS; do
       python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
-    selftest)
-      log selftest
-      nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o /tmp/selftest \
-        > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
-      timeout 240 /tmp/selftest 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40
+    selftest|stbench)
+      log "$step"
+      ST=${ST_BIN:-/tmp/selftest}
+      if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ]; then
+        nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
+          > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
+      fi
+      [ "$step" = selftest ] && { timeout 240 "$ST" 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40; }
       for mode in ${ST_MODES:-auto}; do  # the kernel per size: auto, or forced tree / ll / oneshot
-        timeout 120 /tmp/selftest --bench --mode "$mode" ${ST_BENCH_ARGS:-} 2>&1 | tee "$OUT/selftest_bench-$mode.log" | tail -30
+        timeout 120 "$ST" --bench --mode "$mode" ${ST_BENCH_ARGS:-} 2>&1 | tee "$OUT/selftest_bench-$mode.log" | tail -30
       done ;;
     tests)
       log tests
@@ -46,14 +50,21 @@ for step in $STEPS; do
       done ;;
     hybrid)
       log hybrid
-      ST=/tmp/selftest timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
+      ST=${ST_BIN:-/tmp/selftest} timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
     ce)  # the copy-engine host channel through XLA, 256 MiB-1 GiB (NOTES.md change 4)
       log ce
       JAX_BLINK_HOST_ENGINE=ce timeout 300 python3 -m jax_blink.bench -b 256M -e 1G -f 4 -d float32 --slope 60 \
         -o "$OUT/ce" 2>&1 | tee "$OUT/ce.log" | tail -6 ;;
-    overhead)
+    overhead)  # issue 17: marginal cost per call with XLA's default command buffers and with none, then a profile
       log overhead
-      timeout 120 python3 benchmarks/xla_call_overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -8 ;;
+      timeout 200 python3 benchmarks/xla_call_overhead.py ${OVERHEAD_ARGS:-} --out "$OUT/overhead.txt" 2>&1 | tail -8
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 200 python3 benchmarks/xla_call_overhead.py \
+        ${OVERHEAD_ARGS:-} --out "$OUT/overhead.txt" 2>&1 | tail -8
+      for cb in default none; do
+        flags=${XLA_FLAGS:-}; [ $cb = none ] && flags="$flags --xla_gpu_enable_command_buffer="
+        XLA_FLAGS="$flags" timeout 120 python3 benchmarks/call_profile.py --dump "/tmp/profile-$cb" 2>&1 | tee -a "$OUT/profile.txt" | grep -v "^  host"
+      done
+      tar czf "$OUT/profile-events.tgz" -C /tmp profile-default profile-none ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -1,16 +1,22 @@
-"""What XLA spends per custom call on one device, with and without command buffers.
+"""What one more call costs inside a jitted program on one device: an XLA elementwise kernel, an FFI
+no-op handler, and our collective (a one-rank program: its kernel copies 1 KiB), plain and through
+the handler that XLA may capture in a command buffer.
 
-Chains K calls of our target with a one-rank program (the kernel only copies 1 KiB: its own time
-is a few microseconds) inside one jitted program, next to K chained tiny XLA ops (kept apart by
-optimization barriers), and prints the time per call of each. The difference to the kernel's own
-time in the CUDA self-test is XLA's launch path: the floor of any custom-call collective.
+Each row is a chain of K calls (the output of one feeds the next) in one jitted program, timed at
+K1 and K2 calls with every program taking turns (bench.interleaved_times). Per row it prints the
+time per call at K1 (what earlier notes quote: it carries the program's fixed cost / K1) and the
+marginal cost of one more call, (t(K2) - t(K1)) / (K2 - K1), which the fixed cost does not reach;
+the whole measurement is repeated ``--repeats`` times. Command buffers follow XLA_FLAGS: run it once
+with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (none) to see both.
 
-    python benchmarks/xla_call_overhead.py [--k 20] [--runs 20]
+    python benchmarks/xla_call_overhead.py [--k1 20] [--k2 100] [--runs 30] [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -18,61 +24,98 @@ import numpy as np
 from jax import lax
 
 from jax_blink import _backends, schedule
-from jax_blink.bench import median_time as _timeit
+from jax_blink.bench import interleaved_times
+
+_IDS = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
+
+
+def ffi_chain(target: str, k: int, x, program: np.ndarray, bare: bool = False):
+    """A jitted chain of ``k`` calls of ``target``: our binding (operand, rank, group and the
+    attributes) or the bare one (one operand, one result). No-op targets alias their result to the
+    operand (they write nothing)."""
+    noop = target in (_backends.TARGET_NOOP, _backends.TARGET_NOOP_BARE)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            input_output_aliases={0: 0} if noop else None)
+
+    def body(v):
+        for _ in range(k):
+            v = call(v) if bare else call(
+                v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                comm_id=np.int64(next(_IDS)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
+        return v
+    return jax.jit(body)
+
+
+def xla_chain(k: int):
+    """A jitted chain of ``k`` tiny XLA elementwise kernels (optimization barriers keep them apart)."""
+    def body(v):
+        for _ in range(k):
+            v = lax.optimization_barrier(v * 1.0001)
+        return v
+    return jax.jit(body)
+
+
+def rows(elems: int, x) -> list[tuple[str, object]]:
+    """(name, k -> jitted chain) for every row this executor can run."""
+    program = schedule.encode(schedule.Schedule(1, elems, elems, ()))
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    have = _backends.module(platform).registrations()
+    out = [("XLA elementwise op", xla_chain)]
+    if _backends.TARGET_NOOP_BARE in have:
+        out.append(("no-op FFI, bare binding", lambda k: ffi_chain(_backends.TARGET_NOOP_BARE, k, x, program, True)))
+    if _backends.TARGET_NOOP in have:  # XLA's own price of an FFI call with our binding, no work
+        out.append(("no-op FFI, our binding", lambda k: ffi_chain(_backends.TARGET_NOOP, k, x, program)))
+    out += [("jax_blink, plain handler", lambda k: ffi_chain(_backends.TARGET, k, x, program)),
+            ("jax_blink, command-buffer handler", lambda k: ffi_chain(_backends.TARGET_CB, k, x, program))]
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--runs", type=int, default=20)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k1", type=int, default=20)
+    ap.add_argument("--k2", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=30, help="rounds per repeat (every program once per round)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--elems", type=int, default=256)
+    ap.add_argument("--out", help="also write the table to this file")
     a = ap.parse_args()
+    if a.k2 <= a.k1:
+        ap.error("--k2 must be larger than --k1")
     platform = jax.default_backend()
     if not _backends.register("gpu" if platform == "gpu" else "cpu"):
         raise SystemExit(f"no jax_blink executor for {platform}")
-    program = schedule.encode(schedule.Schedule(1, a.elems, a.elems, ()))
     x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
-
-    ids = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
-
-    def chain(target, side_effect: bool = False, bare: bool = False):
-        """K chained calls of `target`: our binding (operand, rank, group, the attributes) or the
-        bare one (one operand, one result). No-op targets alias their result to the operand."""
-        noop = target in (_backends.TARGET_NOOP, _backends.TARGET_NOOP_BARE)
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=side_effect,
-                                input_output_aliases={0: 0} if noop else None)
-
-        def body(v):
-            for _ in range(a.k):
-                v = call(v) if bare else call(
-                    v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                    comm_id=np.int64(next(ids)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
-            return v
-        return jax.jit(body)
-
-    def xla_ops(v):
-        for _ in range(a.k):
-            v = lax.optimization_barrier(v * 1.0001)
-        return v
-
-    rows = [("XLA elementwise op", jax.jit(xla_ops)),
-            ("jax_blink custom call (plain)", chain(_backends.TARGET)),
-            ("jax_blink custom call, side effect", chain(_backends.TARGET, True)),
-            ("jax_blink custom call (command buffer)", chain(_backends.TARGET_CB))]
-    have = _backends.module("gpu" if platform == "gpu" else "cpu").registrations()
-    if _backends.TARGET_NOOP in have:  # XLA's own price of an FFI call: our binding, no work
-        rows += [("no-op FFI call, same binding", chain(_backends.TARGET_NOOP, True)),
-                 ("no-op, same binding, no side effect", chain(_backends.TARGET_NOOP))]
-    if _backends.TARGET_NOOP_BARE in have:
-        rows += [("no-op, bare binding", chain(_backends.TARGET_NOOP_BARE, True, bare=True)),
-                 ("no-op, bare binding, no side effect", chain(_backends.TARGET_NOOP_BARE, bare=True))]
-    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.k} chained calls, median of {a.runs}")
-    for name, fn in rows:
-        try:
-            t = _timeit(fn, x, a.runs) / a.k
-            print(f"{name:>42}: {t * 1e6:8.2f} us per call")
-        except Exception as e:  # noqa: BLE001
-            print(f"{name:>42}: failed: {str(e).splitlines()[0][:160]}")
+    table = rows(a.elems, x)
+    fns = []
+    for name, make in table:
+        for k in (a.k1, a.k2):
+            fn = make(k)
+            if name.startswith("jax_blink"):  # a one-rank all-reduce returns its operand
+                got = np.asarray(fn(x))
+                if not np.array_equal(got, np.asarray(x)):
+                    raise SystemExit(f"{name}, {k} calls: wrong result")
+            fns.append(fn)
+    per_k1: dict[str, list[float]] = {n: [] for n, _ in table}
+    marginal: dict[str, list[float]] = {n: [] for n, _ in table}
+    for _ in range(a.repeats):
+        times = interleaved_times(fns, x, a.runs)
+        for i, (name, _) in enumerate(table):
+            t1, t2 = statistics.median(times[2 * i]), statistics.median(times[2 * i + 1])
+            per_k1[name].append(t1 / a.k1 * 1e6)
+            marginal[name].append((t2 - t1) / (a.k2 - a.k1) * 1e6)
+    ref = statistics.median(marginal["XLA elementwise op"])
+    lines = [f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+             f"K1={a.k1}, K2={a.k2}, median of {a.runs} rounds per repeat, {a.repeats} repeats",
+             f"# {'row':>34}  {'us/call at K1 (each repeat)':>30}  {'marginal us/call (each repeat)':>30}  "
+             f"{'median':>7}  {'/ XLA op':>8}"]
+    for name, _ in table:
+        m = statistics.median(marginal[name])
+        lines.append(f"{name:>36}  {' '.join(f'{v:6.2f}' for v in per_k1[name]):>30}  "
+                     f"{' '.join(f'{v:6.2f}' for v in marginal[name]):>30}  {m:7.2f}  {m / ref:8.2f}")
+    print("\n".join(lines))
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@
 // device's error record in host-mapped pinned memory (device, rank, peer, tree, chunk, phase,
 // call), then stops. Waiters poll the producer's abort marker and their device's claim, so a
 // failure cascades in microseconds instead of each rank waiting out its own budget. Failures are
-// sticky: every later kernel on a failed device exits at once (and marks its peers aborted), the
+// sticky: every later kernel on a failed device exits at once (and marks its peers aborted; a
+// one-rank call, which waits for nobody, still copies its operand: Launch), the
 // handler refuses calls on it with the recorded message, and ResetAll() (cuda_module's reset())
 // clears everything once nothing runs. A rank that skipped a call: its peers time out (record),
 // then its next call sees their abort markers and fails too.
@@ -187,6 +188,10 @@ struct DeviceGuard {  // restores the calling thread's current device
   ~DeviceGuard() { if (saved >= 0) cudaSetDevice(saved); }
 };
 
+// The kernels (tree, LL, one-shot), indexed by KernelIndex(mode).
+constexpr int kNumKernels = 3;
+constexpr int KernelIndex(Mode m) { return m == Mode::kLL ? 1 : m == Mode::kOneShot ? 2 : 0; }
+
 struct DeviceState {
   int device = -1;
   ErrorRecord* rec = nullptr;     // host pointer (mapped)
@@ -194,7 +199,29 @@ struct DeviceState {
   uint32_t* claim = nullptr;      // device memory
   cudaStream_t stream = nullptr;  // set-up work
   int sms = 0, occupancy = 0;     // multiprocessors, resident blocks of our kernels per SM
+  // Every kernel's driver handle in this device's primary context, fetched when the kernels are
+  // loaded: a call launches it with cuLaunchKernel, without the runtime's per-launch lookup of
+  // the current device and of the function (issue 17: the launch is most of a small call's cost).
+  CUfunction fn[kNumKernels][kNumDTypes][kNumOps] = {};
+  CUfunction one_rank = nullptr;  // one_rank_kernel
 };
+
+// cuLaunchKernel, fetched through the runtime (no link against libcuda), at the first device set-up.
+using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    CUstream, void**, void**);
+std::atomic<LaunchKernelFn> g_launch_kernel{nullptr};
+
+std::string LoadLaunchKernel() {
+  if (g_launch_kernel.load(std::memory_order_acquire) != nullptr) return {};
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  void* f = nullptr;
+  JB_TRY("cudaGetDriverEntryPointByVersion (cuLaunchKernel)",
+         cudaGetDriverEntryPointByVersion("cuLaunchKernel", &f, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || f == nullptr)
+    return "jax_blink CUDA executor: the CUDA driver has no cuLaunchKernel (driver too old?)";
+  g_launch_kernel.store(reinterpret_cast<LaunchKernelFn>(f), std::memory_order_release);
+  return {};
+}
 
 struct Comm {
   std::vector<int> devices;
@@ -244,6 +271,8 @@ struct Site {
   int64_t total = 0, units = 0;
   std::vector<int32_t> words;
   std::atomic<const int32_t*> last_ptr{nullptr};
+  CUfunction fn[kNumDTypes][kNumOps] = {};  // its kernel per dtype and op, on its device (DeviceState::fn)
+  CUfunction one_rank = nullptr;            // one rank: the copy (DeviceState::one_rank)
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
@@ -277,6 +306,7 @@ std::string EnsureDeviceLocked(int d, DeviceState** out) {
   JB_TRY("cudaSetDevice", cudaSetDevice(d));
   JB_TRY("cudaDeviceGetAttribute", cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, d));
   // Load every kernel on this device now, before any kernel of ours can wait on a peer.
+  if (std::string err = LoadLaunchKernel(); !err.empty()) return err;
   int occ = 1 << 30;
   for (int dt = 0; dt < kNumDTypes; ++dt)
     for (int op = 0; op < kNumOps; ++op)
@@ -284,11 +314,19 @@ std::string EnsureDeviceLocked(int d, DeviceState** out) {
         KernelFn fn = KernelFor(static_cast<DType>(dt), op, m);
         cudaFuncAttributes attr;
         JB_TRY("loading kernels (cudaFuncGetAttributes)", cudaFuncGetAttributes(&attr, fn));
+        cudaFunction_t handle = nullptr;
+        JB_TRY("cudaGetFuncBySymbol", cudaGetFuncBySymbol(&handle, reinterpret_cast<const void*>(fn)));
+        s->fn[KernelIndex(m)][dt][op] = reinterpret_cast<CUfunction>(handle);
         int nb = 0;
         JB_TRY("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, kThreads, 0));
         occ = std::min(occ, nb);
       }
+  {
+    cudaFunction_t handle = nullptr;
+    JB_TRY("cudaGetFuncBySymbol", cudaGetFuncBySymbol(&handle, reinterpret_cast<const void*>(&one_rank_kernel)));
+    s->one_rank = reinterpret_cast<CUfunction>(handle);
+  }
   if (occ < 1) return "jax_blink CUDA executor: the collective kernel cannot be resident on device " + std::to_string(d);
   s->occupancy = occ;
   void* h = nullptr;
@@ -803,6 +841,9 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   base.chunk_elems = prog.chunk_elems();
   base.comm_id = comm_id;
   base.grid = std::max(1, std::min(Gu, U));
+  if (n == 1)  // the identity: one_rank_kernel's blocks (Launch)
+    base.grid = static_cast<int>(std::clamp<int64_t>(
+        (prog.total_elems() * esize + kCopyBytesPerBlock - 1) / kCopyBytesPerBlock, 1, int64_t{8} * G));
   if (host.elems > 0) {
     base.host_off = nv_total;
     base.host_elems = host.elems;
@@ -924,6 +965,8 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     s->params.dev_claim = ds->claim;
     s->params.rec = ds->rec_dev;
     s->mode = mode;
+    std::memcpy(s->fn, ds->fn[KernelIndex(mode)], sizeof s->fn);
+    s->one_rank = ds->one_rank;
     if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
     if (mode == Mode::kHybrid) {
       s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
@@ -1165,22 +1208,38 @@ std::string LaunchWithCopyEngines(Site* s, KernelFn fn, Params& p, cudaStream_t 
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,
                    int64_t timeout_ms) {
   if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
-  KernelFn fn = KernelFor(dtype, op, s->mode);
-  if (fn == nullptr) return "jax_blink CUDA executor: unsupported dtype";
+  const int dt = static_cast<int>(dtype);
+  if (dt < 0 || dt >= kNumDTypes) return "jax_blink CUDA executor: unsupported dtype";
   Params p = s->params;
   p.in = in;
   p.out = out;
   if (timeout_ms <= 0) timeout_ms = 10000;
   p.timeout_ms = timeout_ms;
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  // The site's device must be current: its kernel handle belongs to that device's primary context.
+  // XLA calls the handler with it current (one cheap check); the self-test's threads switch here.
   int cur = -1;
   cudaGetDevice(&cur);
   if (cur != s->device) cudaSetDevice(s->device);
-  if (s->host_ce) return LaunchWithCopyEngines(s, fn, p, stream);
-  void* args[] = {&p};
-  cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3(s->grid + p.host_blocks), dim3(kThreads), args,
-                                   0, stream);
-  if (e != cudaSuccess) return CudaErr("launching the collective kernel", e);
+  if (s->host_ce) return LaunchWithCopyEngines(s, KernelFor(dtype, op, s->mode), p, stream);
+  // The driver's launch with the handle fetched at set-up: the runtime's cudaLaunchKernel would
+  // look up the current device and the function on every call.
+  const LaunchKernelFn launch = g_launch_kernel.load(std::memory_order_relaxed);
+  CUresult r;
+  if (s->nranks == 1) {  // the identity: a copy, nothing at all when the result aliases the operand
+    if (in == out) return {};
+    const uint8_t* src = static_cast<const uint8_t*>(in);
+    uint8_t* dst = static_cast<uint8_t*>(out);
+    int64_t bytes = s->total * s->esize;
+    void* args[] = {&src, &dst, &bytes};
+    r = launch(s->one_rank, static_cast<unsigned>(s->grid), 1, 1, kCopyThreads, 1, 1, 0, stream, args, nullptr);
+  } else {
+    void* args[] = {&p};
+    r = launch(s->fn[dt][op], static_cast<unsigned>(s->grid + p.host_blocks), 1, 1, kThreads, 1, 1, 0, stream, args,
+               nullptr);
+  }
+  if (r != CUDA_SUCCESS)
+    return "jax_blink CUDA executor: launching the collective kernel failed (CUresult " + std::to_string(r) + ")";
   return {};
 }
 
@@ -1337,9 +1396,10 @@ std::string CheckEnvironment() {
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.4.1 (program format v1; one-shot all-reduce through a staging inbox "
+  return "jax_blink CUDA executor 0.4.2 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
-         "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink)";
+         "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink; "
+         "one rank: a copy; launched through the driver with handles fetched at set-up)";
 }
 
 }  // namespace jax_blink::cuda

@@ -34,6 +34,16 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
   return v;
 }
 
+// The same load without the compiler memory clobber: a snapshot that the compiler may issue
+// together with the loads around it, so that a prologue's words cost one memory round trip, not
+// one each (with the clobber every earlier load's use, e.g. its store to shared memory, must
+// complete first). Only for words whose order against this thread's other accesses is irrelevant.
+__device__ __forceinline__ uint32_t ld_relaxed_sys_snapshot(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

@@ -1,9 +1,10 @@
 """The CUDA executor through JAX: the "jax_blink_collective" target called by hand (programs built
-here, not planned) inside ``jax.shard_map`` over 2 GPUs, compared with ``lax.psum``.
+here, not planned) inside ``jax.shard_map`` over 2 GPUs, compared with ``lax.psum``; on one GPU,
+one-rank calls (the identity) through both handlers, as the overhead probe chains them.
 
-Skipped unless JAX sees >= 2 GPUs and ``jax_blink._blink_cuda`` imports. The standalone
-``kernels/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned outputs, CUDA
-graphs, the benchmark).
+Skipped unless JAX sees a GPU and ``jax_blink._blink_cuda`` imports; the 2-GPU tests need 2. The
+standalone ``kernels/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned
+outputs, CUDA graphs, the benchmark).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _gpus():
         return []
 
 
-if len(_gpus()) < 2 or _blink_cuda is None:
-    pytest.skip("needs >= 2 GPUs and jax_blink._blink_cuda", allow_module_level=True)
+if len(_gpus()) < 1 or _blink_cuda is None:
+    pytest.skip("needs a GPU and jax_blink._blink_cuda", allow_module_level=True)
+two_gpus = pytest.mark.skipif(len(_gpus()) < 2, reason="needs >= 2 GPUs")
 
 TARGET = "jax_blink_collective"
 _ids = itertools.count(10**9)  # far from jax_blink.collectives' ids
@@ -127,6 +129,7 @@ def _sites_by_mode():
     return total
 
 
+@two_gpus
 @pytest.mark.parametrize("mode", ["auto", "tree", "ll", "oneshot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int32", "int64"])
 @pytest.mark.parametrize("n_per", [1, 1000, 4099, 1 << 18])
@@ -151,6 +154,7 @@ def test_allreduce_sum_matches_psum(dtype, n_per, mode, monkeypatch):
         assert after[mode] - before[mode] == 2, (before, after)
 
 
+@two_gpus
 @pytest.mark.parametrize("share_from", ["env", "attribute"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_allreduce_hybrid_host_channel_matches_psum(dtype, share_from, monkeypatch):
@@ -184,6 +188,7 @@ def test_allreduce_hybrid_host_channel_matches_psum(dtype, share_from, monkeypat
     assert max(c.get("host_bytes", 0) for c in _blink_cuda.comms()) > 0
 
 
+@two_gpus
 @pytest.mark.parametrize("op", [1, 2])
 def test_allreduce_max_min(op):
     _register()
@@ -195,6 +200,7 @@ def test_allreduce_max_min(op):
     np.testing.assert_array_equal(got, want)
 
 
+@two_gpus
 def test_single_tree_and_broadcast_only():
     _register()
     n_per = 50000
@@ -210,6 +216,7 @@ def test_single_tree_and_broadcast_only():
     assert got[:n_per].tobytes() == got[n_per:].tobytes()
 
 
+@two_gpus
 def test_two_collectives_in_one_program():
     _register()
     n_per = 1 << 16
@@ -226,6 +233,7 @@ def test_two_collectives_in_one_program():
     _check(got, want, "float32", n_per)
 
 
+@two_gpus
 def test_chained_calls_in_a_loop():
     _register()
     n_per = 4096
@@ -243,6 +251,7 @@ def test_chained_calls_in_a_loop():
     _blink_cuda.check()
 
 
+@two_gpus
 @pytest.mark.slow
 def test_skipped_rank_times_out_then_reset():
     """Rank 1 skips the call under lax.cond: rank 0's kernel must time out (500 ms), the error
@@ -288,3 +297,32 @@ def test_module_api():
         assert c["host_bytes"] >= 0  # pinned host memory of its hybrid sites, per rank
     assert isinstance(_blink_cuda.comms(), list)
     assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_noop", "jax_blink_noop_bare"}
+
+
+# One GPU: a one-rank program is the identity for every collective; the executor runs it as a
+# plain copy (one_rank_kernel; nothing at all when the result aliases the operand).
+@pytest.mark.parametrize("target", [TARGET, "jax_blink_collective_cb"])
+@pytest.mark.parametrize("alias", [False, True])
+@pytest.mark.parametrize("dtype,n", [("float32", 256), ("bfloat16", 1001), ("int32", 77), ("float32", 300_003)])
+def test_one_rank_chain_is_the_identity(target, alias, dtype, n):
+    _register()
+    rng = np.random.default_rng(n)
+    if jnp.dtype(dtype).kind in "iu":
+        x = jnp.asarray(rng.integers(-10**6, 10**6, size=n), dtype=dtype)
+    else:
+        x = jnp.asarray(rng.standard_normal(n), dtype=dtype)
+    program = S.encode(S.Schedule(1, n, n, ()))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            input_output_aliases={0: 0} if alias else None)
+
+    def chain(v):
+        for _ in range(6):  # with XLA's command buffers, a chain this long is captured
+            v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                     comm_id=np.int64(next(_ids)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
+        return v
+
+    f = jax.jit(chain)
+    for _ in range(3):  # the first run sets the sites up; the later ones replay
+        got = np.asarray(f(x))
+        assert got.tobytes() == np.asarray(x).tobytes(), (target, alias, dtype, n)
+    _blink_cuda.check()

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, autotune, schedule as _schedule, tuning
+from . import _backends, autotune, distributed as _distributed, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
@@ -132,8 +132,19 @@ def default_topology(n: int, platform: str) -> Topology:
     return Topology.discover(devices[:n])
 
 
-def _topology_for(n: int, platform: str, topology: Topology | None) -> Topology:
+@functools.lru_cache(maxsize=None)
+def _devices_topology(devices: tuple) -> Topology:
+    return Topology.discover(list(devices))
+
+
+def _topology_for(n: int, platform: str, topology: Topology | None, axes=None) -> Topology:
     if topology is None:
+        # The real devices of the collective's ranks where they are known (several processes, or
+        # a concrete mesh in context), else the platform's first n.
+        devs = _distributed.rank_devices(axes) if axes and (
+            jax.process_count() > 1 or _distributed._concrete_mesh() is not None) else None
+        if devs is not None and devs.shape[1] == n:
+            return _devices_topology(tuple(devs[0]))
         return default_topology(n, platform)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a jax_blink.Topology, got {type(topology).__name__}")
@@ -183,11 +194,8 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
     """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
     problem = None
     if jax.process_count() > 1:
-        # The executors meet a collective's ranks inside one process (threads on CPU host devices,
-        # one process driving its GPUs); across processes the first call would wait out its
-        # time budget for peers that live elsewhere.
-        problem = (f"this job runs {jax.process_count()} processes and the executors run a collective "
-                   "among the devices of one process")
+        # Ranks in several processes meet through the job's shared memory (CPU executor).
+        problem = _distributed.executor_problem(platform)
     elif not _backends.register(platform):
         problem = f"no {platform} executor in this build"
     elif platform == "gpu":
@@ -271,7 +279,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     config.validate()  # options set in code are checked here, when a call uses them
     n = _axis_size(axes)
     platform = _platform()
-    topo = _topology_for(n, platform, topology)
+    topo = _topology_for(n, platform, topology, axes)
     itemsize = np.dtype(flat.dtype).itemsize
     chunk = _chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype)
     program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
@@ -280,16 +288,22 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
+    extra = {}
+    if jax.process_count() > 1:  # ranks in several processes: the shared-memory executor
+        target, extra = _backends.TARGET_MP, _distributed.lowering_attrs(axes, n)
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
     # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
     # that every rank runs, so the ranks still meet the same calls in the same order.
-    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
+    # Across processes the calls of one program must run in one order on every device: XLA's CPU
+    # runtime may run independent calls concurrently in any order, and ranks blocked in different
+    # calls (or holding all its threads) wait for each other; a side effect keeps program order.
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=target == _backends.TARGET_MP)
     return call(flat, rank, _group_index(axes), program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
-                host_share=np.float32(share))
+                host_share=np.float32(share), **extra)
 
 
 def _replicated_type(x, axes):

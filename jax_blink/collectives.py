@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, autotune, distributed as _distributed, schedule as _schedule, tuning
+from . import _backends, autotune, distributed as _distributed, hierarchy as _hierarchy, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
@@ -190,6 +190,29 @@ def _peer_access_problem(n: int) -> str | None:
     return None
 
 
+def _hosts_of(axes: tuple[str, ...]):
+    """The host layout of a collective whose ranks span hosts (jax_blink.hierarchy), else None."""
+    if jax.process_count() == 1 or not _distributed.has_client():
+        return None  # no client: _executor_ready sends the call to lax and says why
+    return _hierarchy.layout(axes)
+
+
+def _across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
+    """True (after the fall-back warning, or an error with fallback=raise) where a collective
+    without a three-phase form has ranks on several hosts: they cannot meet in shared memory."""
+    if jax.process_count() == 1 or _hosts_of(axes) is None:
+        return False
+    problem = f"{what} has no three-phase form for ranks on several hosts (all_reduce has)"
+    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own collective "
+           "(set JAX_BLINK_FALLBACK=raise to make this an error)")
+    if config.fallback == "raise":
+        raise RuntimeError(msg)
+    if config.fallback == "warn" and problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return True
+
+
 def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
     """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
     problem = None
@@ -274,23 +297,32 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
-                     topology=None, method="exact", result_type=None):
-    """One ``jax_blink_collective`` custom call over a flat operand."""
+                     topology=None, method="exact", result_type=None, sub=None):
+    """One ``jax_blink_collective`` custom call over a flat operand (among the ranks of one host
+    of ``axes`` where ``sub``, a :class:`jax_blink.hierarchy.SubGroup`, says so)."""
     config.validate()  # options set in code are checked here, when a call uses them
-    n = _axis_size(axes)
     platform = _platform()
-    topo = _topology_for(n, platform, topology, axes)
+    if sub is None:
+        n = _axis_size(axes)
+        topo = _topology_for(n, platform, topology, axes)
+    else:
+        n = sub.n
+        topo = _topology_for(n, platform, topology) if topology is not None else _devices_topology(sub.devices)
     itemsize = np.dtype(flat.dtype).itemsize
     chunk = _chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype)
     program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
     share = _host_share(platform, topo, collective, root, method)
-    rank = _axis_index(axes).astype(jnp.int32)
+    rank = _axis_index(axes).astype(jnp.int32) if sub is None else sub.rank
+    group = _group_index(axes) if sub is None else sub.group
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
     extra = {}
     if jax.process_count() > 1:  # ranks in several processes: the shared-memory executor
-        target, extra = _backends.TARGET_MP, _distributed.lowering_attrs(axes, n)
+        attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
+                 _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
+        if not _distributed.one_process_per_group(attrs["rank_process"], n):
+            target, extra = _backends.TARGET_MP, attrs
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
@@ -299,8 +331,8 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     # Across processes the calls of one program must run in one order on every device: XLA's CPU
     # runtime may run independent calls concurrently in any order, and ranks blocked in different
     # calls (or holding all its threads) wait for each other; a side effect keeps program order.
-    call = jax.ffi.ffi_call(target, result_type, has_side_effect=target == _backends.TARGET_MP)
-    return call(flat, rank, _group_index(axes), program=program,
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
+    return call(flat, rank, group, program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
                 host_share=np.float32(share), **extra)
@@ -312,6 +344,7 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
+@_distributed.in_program_order
 def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
          prefer_lax: bool = False):
     """``forward(x)`` through the executor, or ``reference(x)`` (the ``lax`` expression it equals)
@@ -368,6 +401,14 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
         return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
+    hosts = _hosts_of(axes)
+    if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
+        def f(v):  # noqa: F811
+            return _hierarchy.all_reduce(
+                v, axes, op, hosts,
+                functools.partial(_collective_call, topology=topology, method=method),
+                _group_index(axes), lambda b: _replicated_type(b, axes))
+
     return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes),
                 prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
 
@@ -390,7 +431,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
         return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    return _run("broadcast", x, n, f, reference)
+    return _run("broadcast", x, n, f, reference, prefer_lax=_across_hosts_to_lax("broadcast", axes))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -416,7 +457,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    return _run("reduce", x, n, f, reference)
+    return _run("reduce", x, n, f, reference, prefer_lax=_across_hosts_to_lax("reduce", axes))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -446,7 +487,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _run("all_gather", x, n, f, reference, elementwise=False)
+    return _run("all_gather", x, n, f, reference, elementwise=False,
+                prefer_lax=_across_hosts_to_lax("all_gather", axes))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -477,7 +519,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _run("reduce_scatter", x, n, f, reference, elementwise=False)
+    return _run("reduce_scatter", x, n, f, reference, elementwise=False,
+                prefer_lax=_across_hosts_to_lax("reduce_scatter", axes))
 
 
 # ---------------------------------------------------------------------------------------------

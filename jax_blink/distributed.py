@@ -20,9 +20,12 @@ import math
 import os
 import secrets
 import socket
+import threading
+import weakref
 
 import jax
 import numpy as np
+from jax import lax
 
 from . import _backends
 
@@ -46,6 +49,13 @@ def _client():
             f"jax_blink: this job runs {jax.process_count()} processes but has no jax.distributed "
             "client: call jax.distributed.initialize(...) in every process before the first collective")
     return client
+
+
+def has_client() -> bool:
+    """Whether this process has a jax.distributed client (its key-value store)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
 
 
 @functools.cache
@@ -203,6 +213,11 @@ def executor_problem(platform: str) -> str | None:
                 "collective's ranks inside one process (its cross-process path is not in this build)")
     if not _backends.register("cpu") or not hasattr(_backends.module("cpu"), "shm_set_job"):
         return "no cpu executor with a shared-memory path in this build"
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        return (f"this job runs {jax.process_count()} processes but has no jax.distributed client to "
+                "share the job's key through (call jax.distributed.initialize in every process)")
     setup()
     return None
 
@@ -223,9 +238,71 @@ def setup_timeout_s() -> float:
     return v
 
 
-def lowering_attrs(axes: tuple[str, ...], n: int) -> dict:
-    """The shared-memory executor's extra attributes: every rank's process and device, and the
-    set-up budget."""
-    procs, ids = rank_layout(axes, n)
+def one_process_per_group(rank_process: np.ndarray, n: int) -> bool:
+    """Whether every group's n ranks are known to live in one process: then the in-process
+    executor runs the call (no shared memory)."""
+    if rank_process.size % n or (rank_process < 0).any():
+        return False
+    return bool((rank_process.reshape(-1, n) == rank_process.reshape(-1, n)[:, :1]).all())
+
+
+def lowering_attrs(axes: tuple[str, ...], n: int, tables=None) -> dict:
+    """The shared-memory executor's extra attributes: every rank's process and device (``tables``,
+    else from the mesh), and the set-up budget."""
+    procs, ids = tables if tables is not None else rank_layout(axes, n)
     return {"rank_process": procs, "rank_device": ids,
             "setup_timeout_ms": np.int64(round(setup_timeout_s() * 1000))}
+
+
+# ---------------------------------------------------------------------------------------------
+# One order of collectives in every process.
+
+_last = threading.local()
+
+
+@jax.custom_jvp
+def _after(x, dep):
+    """``x``, computed only once ``dep`` exists (the CPU executor's ``jax_blink_after`` call)."""
+    call = jax.ffi.ffi_call(_backends.TARGET_AFTER, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            input_output_aliases={0: 0}, vmap_method="broadcast_all")
+    return call(x, dep)
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    x, dep = primals
+    return _after(x, dep), tangents[0]
+
+
+def in_program_order(run):
+    """Decorates the collectives' common runner: in a job of several processes on CPU, each
+    collective's operand waits for the previous collective's result in the same trace (an
+    operand of a custom call, which XLA cannot optimise away, unlike an optimization barrier), so
+    every process runs a program's collectives in the order they were written. XLA's CPU runtime
+    otherwise runs independent calls in an order of its own in each process, and ranks blocked in
+    different calls (or in XLA's own collectives between the phases of a three-phase all-reduce)
+    wait for each other until the time budget ends."""
+
+    @functools.wraps(run)
+    def wrapper(what, x, *args, **kwargs):
+        if jax.process_count() == 1:
+            return run(what, x, *args, **kwargs)
+        from jax._src import core
+
+        trace = core.trace_ctx.trace
+        prev = getattr(_last, "value", None)
+        if (prev is not None and _last.trace() is trace and x.size
+                and _backends.register("cpu") and _platform_of(x) == "cpu"):
+            x = _after(x, prev.reshape(-1)[:1])
+        out = run(what, x, *args, **kwargs)
+        _last.trace, _last.value = weakref.ref(trace), out
+        return out
+
+    return wrapper
+
+
+def _platform_of(x) -> str:
+    try:
+        return jax.sharding.get_abstract_mesh().abstract_device.platform
+    except Exception:
+        return jax.default_backend()

@@ -20,6 +20,7 @@ NB_MODULE(_blink_cpu, m) {
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveCpu));
         // Ranks in several processes of one machine (cpu_shm.h).
         d["jax_blink_collective_mp"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveShm));
+        d["jax_blink_after"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkAfterCpu));
         return d;
       },
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='cpu').");

@@ -671,6 +671,13 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
   return ffi::Error::Success();
 }
 
+// "jax_blink_after": out = x, once `dep` exists. Orders a program's collectives in a job of
+// several processes (jax_blink/distributed.py): a custom call's operand cannot be optimised away.
+ffi::Error After(ffi::AnyBuffer x, ffi::AnyBuffer /*dep*/, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->untyped_data() != x.untyped_data()) std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 std::string SetJob(const std::string& job_key, int process_index) {
@@ -732,3 +739,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveShm, jax_blink::shm::Execute,
                                   .Attr<xla::ffi::Span<const int32_t>>("rank_process")
                                   .Attr<xla::ffi::Span<const int32_t>>("rank_device")
                                   .Attr<int64_t>("setup_timeout_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkAfterCpu, jax_blink::shm::After,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());

@@ -15,6 +15,11 @@
 // Attr<int64_t> setup_timeout_ms, the budget of a communicator's set-up (its first call).
 extern "C" XLA_FFI_Error* JaxBlinkCollectiveShm(XLA_FFI_CallFrame* call_frame);
 
+// "jax_blink_after": Arg x, Arg dep, Ret out = x (aliased where XLA allows). Runs after `dep`
+// exists: ties a collective's operand to the previous collective's result, so that every process
+// runs a program's collectives in one order.
+extern "C" XLA_FFI_Error* JaxBlinkAfterCpu(XLA_FFI_CallFrame* call_frame);
+
 namespace jax_blink::shm {
 
 // This process's place in the job: `job_key` (hex, from the job's key-value store: the same in

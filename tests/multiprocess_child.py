@@ -3,9 +3,10 @@
     python tests/multiprocess_child.py SCENARIO PROCESS_ID NUM_PROCESSES PORT LOCAL_DEVICES
 
 Scenarios:
-  collectives  every collective, op, several dtypes and shapes over an axis spanning the processes
-               (and over ("host", "local") with every JAX_BLINK_PROCESSES_PER_HOST processes a
-               host), against lax, ranks bitwise identical, the custom call in the optimized HLO.
+  collectives  every collective, op, several dtypes and shapes over an axis spanning the processes,
+               against lax, ranks bitwise identical, the custom call in the optimized HLO; then,
+               with MP_PER_HOST=k, every k processes a "host": the three-phase all_reduce over
+               that axis and over ("host", "local").
   skip         one good call, then the last process skips the second call of the same collective.
   die          one good call, then the last process exits before a new collective.
 
@@ -84,6 +85,7 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_blink
+    import jax_blink.distributed
     from jax_blink import _backends
 
     n = jax.device_count()
@@ -110,17 +112,22 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
     def per_rank(fn):
         return lambda v: fn(v[0])[None]
 
-    def run_axis(mesh, axis, spec):
-        """Every collective over ``axis`` (a name or a tuple) of ``mesh``: blink and lax side by side."""
+    def run_axis(mesh, axis, spec, target=_backends.TARGET_MP, hosts=False):
+        """Every collective over ``axis`` (a name or a tuple) of ``mesh``: blink and lax side by
+        side (``hosts``: the ranks span hosts, only all_reduce has a three-phase form)."""
         cases = []  # (name, blink fn, lax fn, key, replicated)
+        # Across hosts fewer cases (each compiles three phases): one shape per dtype.
+        few = {("float32", (3, 5)), ("bfloat16", (1031,)), ("int32", (7,)), ("float64", (3, 5))}
         for (dname, shape), _ in data.items():
+            if hosts and (dname, shape) not in few:
+                continue
             for op, lfn in (("sum", lax.psum), ("max", lax.pmax), ("min", lax.pmin)):
                 if op != "sum" and shape != (3, 5):
                     continue
                 cases.append((f"all_reduce/{op}/{dname}/{shape}",
                               lambda v, op=op: jax_blink.all_reduce(v, axis, op=op),
                               lambda v, lfn=lfn: lfn(v, axis), (dname, shape), True))
-            if shape == (3, 5):
+            if shape == (3, 5) and not hosts:
                 root = n - 1
                 cases.append((f"broadcast/{dname}", lambda v: jax_blink.broadcast(v, axis, root=root),
                               lambda v: lax.psum(jnp.where(lax.axis_index(axis) == root, v, jnp.zeros_like(v)), axis),
@@ -132,7 +139,7 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
                               lambda v: lax.all_gather(v, axis), (dname, shape), True))
                 cases.append((f"all_gather_tiled/{dname}", lambda v: jax_blink.all_gather(v, axis, axis=1, tiled=True),
                               lambda v: lax.all_gather(v, axis, axis=1, tiled=True), (dname, shape), True))
-            if shape == (1031,) and dname in ("float32", "int32"):
+            if shape == (1031,) and dname in ("float32", "int32") and not hosts:
                 def rs_in(v):
                     return jnp.tile(v[:5], (n, 1))  # dimension 0 of size n
                 cases.append((f"reduce_scatter/{dname}", lambda v: jax_blink.reduce_scatter(rs_in(v), axis),
@@ -151,8 +158,10 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
         blink, reference = program(1), program(2)
         args = [_global(mesh, spec, lambda i, k=k: data[k][i:i + 1]) for k in keys]
         hlo = blink.lower(*args).compile().as_text()
-        check(f"{axis}: custom call in optimized HLO", _backends.TARGET_MP in hlo,
-              "jax_blink_collective_mp not found in the compiled program")
+        check(f"{axis}: custom call in optimized HLO", target in hlo, f"{target} not found in the compiled program")
+        if hosts:  # the middle phase is XLA's own collective
+            check(f"{axis}: XLA collective between hosts in the HLO",
+                  "all-reduce" in hlo or "collective-permute" in hlo, "no XLA collective in the program")
         t0 = time.perf_counter()
         got_all = jax.block_until_ready(blink(*args))
         elapsed = time.perf_counter() - t0
@@ -178,7 +187,22 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
         return elapsed
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    times = {"x": run_axis(mesh, "x", P("x"))}
+    times = {"x": run_axis(mesh, "x", P("x"))}  # one host: the flat collectives over shared memory
+    per_host = int(os.environ.get("MP_PER_HOST", "0"))
+    if per_host:  # then every `per_host` processes a "host": three phases for all_reduce
+        jax_blink.distributed.set_processes_per_host(per_host)
+        hosts = nproc // per_host
+        target = _backends.TARGET_MP if per_host > 1 else _backends.TARGET  # one process per host: in-process
+        times["x over hosts"] = run_axis(mesh, "x", P("x"), target, hosts=True)
+        mesh2 = Mesh(np.array(jax.devices()).reshape(hosts, -1), ("host", "local"))
+        times["host,local"] = run_axis(mesh2, ("host", "local"), P(("host", "local")), target, hosts=True)
+        try:
+            jax.jit(jax.shard_map(lambda v: jax_blink.all_gather(v, "x"), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False)).lower(
+                _global(mesh, P("x"), lambda i: np.ones((1, 3), np.float32)))
+            check("all_gather across hosts raises with fallback=raise", False, "it lowered")
+        except RuntimeError as e:
+            check("all_gather across hosts raises with fallback=raise", "three-phase" in str(e), str(e))
     mod = _backends.module("cpu")
     check("no segment left linked after set-up", list(mod.shm_linked()) == [], str(mod.shm_linked()))
     return {"ok": not failures, "process": pid, "checks": len(checks), "failures": failures[:20],

@@ -560,12 +560,17 @@ def _gpu_kernel(n: int, nbytes: int) -> str:
 
 
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
-            dtype="float32", method: str = "exact", device_kind: str | None = None) -> str:
+            dtype="float32", method: str = "exact", device_kind: str | None = None,
+            hosts: int = 1) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
     data is split between them, in which chunks, and why (the plan's own explanation).
 
     ``device_kind`` picks the tuned chunk that ``config.chunk_bytes = "auto"`` reads (default: the
-    kind of this process's default devices)."""
+    kind of this process's default devices). ``hosts`` > 1: ``topology`` is the inside of one of
+    that many hosts, and an all-reduce runs in three phases (:mod:`jax_blink.hierarchy`)."""
+    if hosts > 1:
+        return _explain_hosts(topology, nbytes, collective, hosts=hosts, dtype=dtype, method=method,
+                              device_kind=device_kind)
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {np.dtype(jnp.dtype(dtype)).name}")
@@ -618,6 +623,21 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
         lines.append(f"  tree {i}: root rank {t.root}, depth {t.depth()}, elements "
                      f"[{t.offset}, {t.offset + t.length}) in {chunks} chunk(s)")
     return "\n".join(lines)
+
+
+def _explain_hosts(topology: Topology, nbytes: int, collective: str, *, hosts: int, **kw) -> str:
+    """explain() of a collective over ``hosts`` hosts whose insides are ``topology``: the three
+    phases and their bytes, then the inside of a host as a one-host call explains it."""
+    if not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"hosts must be a positive int, got {hosts!r}")
+    if collective != "allreduce":
+        return (f"{collective} over {hosts} hosts: no three-phase form; lax runs it "
+                "(jax_blink's collectives across hosts are all_reduce only)")
+    piece = -(-nbytes // topology.n)
+    return "\n".join([_hierarchy.explain_phases(topology, hosts, nbytes, method=kw.get("method", "exact")),
+                      "inside each host, phases 1 and 3 are the reduce-scatter and all-gather of "
+                      f"{nbytes} bytes per rank ({piece} bytes per piece):",
+                      explain(topology, piece * topology.n, "reducescatter", **kw)])
 
 
 def backends() -> dict[str, bool]:

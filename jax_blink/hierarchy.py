@@ -184,8 +184,8 @@ def explain_phases(inside, hosts: int, nbytes: int, *, method: str = "exact") ->
     cross = 2 * (hosts - 1) / hosts * piece
     lines = [
         f"three phases over {hosts} hosts x {L} ranks ({nbytes} bytes per rank):",
-        f"  1. reduce-scatter inside each host over jax_blink's trees ({len(p.trees)} trees, "
-        f"{p.rate:.1f} GB/s on {inside.name}): {L} pieces of {piece} bytes, "
+        f"  1. reduce-scatter inside each host over jax_blink's trees (the host's all-reduce plan: "
+        f"{len(p.trees)} trees, {p.rate:.1f} GB/s on {inside.name}): {L} pieces of {piece} bytes, "
         f"{inner:.0f} bytes sent per rank",
         f"  2. all-reduce of each piece among the {hosts} hosts through XLA's collective "
         f"(NCCL / gloo): {cross:.0f} bytes sent per rank over the network (a ring's 2(H-1)/H x piece)",
@@ -198,52 +198,42 @@ def explain_phases(inside, hosts: int, nbytes: int, *, method: str = "exact") ->
 # The cost model: k hosts of 8 GPUs, three phases against a flat ring and hierarchical rings.
 
 @functools.lru_cache(maxsize=None)
-def _inside(preset: str):
+def _inside(inside):
     from .simulate import rings
-    from .topology import Topology
     from .treegen import plan as make_plan
 
-    topo = Topology.preset(preset)
-    return topo, make_plan(topo, "allreduce"), rings(topo)
+    return make_plan(inside, "allreduce"), rings(inside)
 
 
-def model_times_us(hosts: int, net_gbps: float, nbytes: float, preset: str = "dgx1v") -> dict[str, float]:
-    """Modelled time (us) of an all-reduce of ``nbytes`` per GPU over ``hosts`` hosts of the
-    ``preset`` (8 GPUs), each GPU with its own ``net_gbps`` GB/s NIC (per direction):
+def model_times_us(hosts: int, net_gbps: float, nbytes: float, inside=None) -> dict[str, float]:
+    """Modelled time (us) of an all-reduce of ``nbytes`` per GPU over ``hosts`` hosts whose GPUs
+    are linked as ``inside`` (a Topology; default the DGX-1V preset, 8 GPUs), each GPU with its
+    own NIC of ``net_gbps`` GB/s per direction (latency :data:`NET_ALPHA_US`):
 
-    * ``blink_3phase``: Blink's all-reduce trees inside the host (their reduce half is the
-      reduce-scatter, the broadcast half the all-gather: :func:`jax_blink.simulate.time_us`), plus
-      a ring all-reduce among hosts of each GPU's piece over its own NIC:
-      ``2(H-1) * (alpha_net + piece / (H * B))``, the piece of a GPU being the data of the trees
-      rooted at it (the busiest root sets the time).
+    * ``blink_3phase`` (what :func:`all_reduce` runs): Blink's all-reduce trees inside the host
+      (their reduce half is the reduce-scatter, their broadcast half the all-gather:
+      :func:`jax_blink.simulate.time_us`), plus a ring all-reduce among hosts of each GPU's piece
+      (S / L) over its own NIC: ``2(H-1) * (alpha_net + S / (L * H * B))``.
     * ``nccl_hier_rings``: NCCL's hierarchical rings: a ring reduce-scatter inside the host
-      (``(L-1) * (alpha + S / (L * R))``, R the host's ring rate), the same inter-host ring of
-      S / L per GPU, and a ring all-gather.
-    * ``flat_ring``: NCCL's flat rings over all H * L GPUs, as many rings as the host has (each
-      crossing the host boundary through one NIC): ``2(N-1) * (alpha_net + S / (N * B_rings))``
+      (``(L-1) * (alpha + S / (L * R))``, R the host's total ring rate), the same inter-host ring
+      of S / L per GPU, and a ring all-gather.
+    * ``flat_ring``: NCCL's flat rings over all H * L GPUs, as many rings as the host has, each
+      crossing the host boundary through one NIC: ``2(N-1) * (alpha_net + S / (N * B_rings))``
       with ``B_rings = rings * min(ring rate, B)``.
     """
     from .simulate import MODEL, time_us
+    from .topology import Topology
 
-    topo, p, rp = _inside(preset)
-    L = topo.n
+    topo = inside if inside is not None else Topology.preset("dgx1v")
+    p, rp = _inside(topo)
+    L, H, S = topo.n, hosts, float(nbytes)
     bpu = MODEL["bytes_per_us_per_gbps"]
-    H = hosts
-    S = float(nbytes)
-    shares: dict[int, float] = {}
-    for tree, w in p.trees:
-        root = next(v for v in tree.nodes if tree.in_degree(v) == 0)
-        shares[root] = shares.get(root, 0.0) + S * w / p.rate
-    piece_max = max(shares.values())
-    inter_blink = 2 * (H - 1) * (NET_ALPHA_US + piece_max / (H * net_gbps * bpu)) if H > 1 else 0.0
-    blink = time_us(p, "allreduce", S) + inter_blink
-    alpha_in = max(MODEL["alpha_us"].get(k, 0.0) for k in ("nvlink",))
-    R = rp.rate
-    rs_ring = (L - 1) * (alpha_in + S / (L * R * bpu))
-    inter_ring = 2 * (H - 1) * (NET_ALPHA_US + (S / L) / (H * net_gbps * bpu)) if H > 1 else 0.0
-    hier = 2 * rs_ring + inter_ring
+    alpha_in = MODEL["alpha_us"]["nvlink"]
+    inter = 2 * (H - 1) * (NET_ALPHA_US + (S / L) / (H * net_gbps * bpu)) if H > 1 else 0.0
+    blink = time_us(p, "allreduce", S) + inter
+    rs_ring = (L - 1) * (alpha_in + S / (L * rp.rate * bpu))
+    hier = 2 * rs_ring + inter
     N = H * L
-    per_ring = min(rp.rates) if rp.rates else R
-    b_rings = rp.num_rings * min(per_ring, net_gbps) if H > 1 else R
+    b_rings = rp.num_rings * min(min(rp.rates), net_gbps) if H > 1 else rp.rate
     flat = 2 * (N - 1) * ((NET_ALPHA_US if H > 1 else alpha_in) + S / (N * b_rings * bpu))
     return {"blink_3phase": blink, "nccl_hier_rings": hier, "flat_ring": flat}

@@ -218,7 +218,7 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
     problem = None
     if jax.process_count() > 1:
         # Ranks in several processes meet through the job's shared memory (CPU executor).
-        problem = _distributed.executor_problem(platform)
+        problem = _distributed.executor_problem(platform, what)
     elif not _backends.register(platform):
         problem = f"no {platform} executor in this build"
     elif platform == "gpu":
@@ -318,11 +318,21 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
     extra = {}
-    if jax.process_count() > 1:  # ranks in several processes: the shared-memory executor
+    comm_id = _next_comm_id()
+    if jax.process_count() > 1:  # ranks in several processes: shared memory (CPU), CUDA IPC (GPU)
         attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
                  _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
         if not _distributed.one_process_per_group(attrs["rank_process"], n):
-            target, extra = _backends.TARGET_MP, attrs
+            if platform == "gpu":
+                if collective != "allreduce":
+                    raise NotImplementedError(
+                        f"jax_blink: {collective} among GPUs of several processes is not in this build "
+                        "(all_reduce is, through CUDA IPC); use the lax collective")
+                _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
+                                       attrs["rank_process"], attrs["rank_device"])
+                target, extra = _backends.TARGET_IPC, attrs
+            else:
+                target, extra = _backends.TARGET_MP, attrs
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
@@ -333,7 +343,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     # calls (or holding all its threads) wait for each other; a side effect keeps program order.
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
     return call(flat, rank, group, program=program,
-                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
+                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
                 host_share=np.float32(share), **extra)
 
@@ -402,6 +412,12 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
                                 method=method, result_type=out_type).reshape(v.shape)
 
     hosts = _hosts_of(axes)
+    if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
+            np.array(hosts.sub_process, np.int32), hosts.local):
+        # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
+        # process only (CUDA IPC carries all_reduce alone).
+        return _run("all_reduce", x, n, None, lambda u: lax_fn(u, axes),
+                    prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
         def f(v):  # noqa: F811
             return _hierarchy.all_reduce(

@@ -205,12 +205,13 @@ def host_of_process(process_index: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Hooks of the lowering (jax_blink.collectives).
 
-def executor_problem(platform: str) -> str | None:
-    """Why a collective of this multi-process job cannot run on ``platform``'s executor (None: it
+def executor_problem(platform: str, what: str = "all_reduce") -> str | None:
+    """Why ``what`` in this multi-process job cannot run on ``platform``'s executor (None: it
     can; the job is set up)."""
+    if platform == "gpu":
+        return _gpu_problem(what)
     if platform != "cpu":
-        return (f"this job runs {jax.process_count()} processes and the {platform} executor meets a "
-                "collective's ranks inside one process (its cross-process path is not in this build)")
+        return f"this job runs {jax.process_count()} processes and jax_blink has no {platform} executor"
     if not _backends.register("cpu") or not hasattr(_backends.module("cpu"), "shm_set_job"):
         return "no cpu executor with a shared-memory path in this build"
     from jax._src import distributed
@@ -306,3 +307,69 @@ def _platform_of(x) -> str:
         return jax.sharding.get_abstract_mesh().abstract_device.platform
     except Exception:
         return jax.default_backend()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs: CUDA IPC (kernels/cuda_ipc.h), set up at trace time through the store.
+
+_IPC_KEY = "jax_blink/ipc/{}/{}/{}"  # comm_id, group, rank
+_PROBE_COMM = -1  # the job's probe region: can these processes open each other's memory?
+
+
+def _gpu_problem(what: str) -> str | None:
+    mod = _backends.module("gpu")
+    if mod is None or not hasattr(mod, "ipc_create") or not _backends.register("gpu"):
+        return "no CUDA executor with a CUDA IPC path in this build"
+    if what != "all_reduce":
+        return (f"{what} across processes on GPUs is not in this build (all_reduce is, through CUDA IPC)")
+    if not has_client():
+        return (f"this job runs {jax.process_count()} processes but has no jax.distributed client to "
+                "exchange CUDA IPC handles through (call jax.distributed.initialize in every process)")
+    return _ipc_probe()
+
+
+@functools.cache
+def _ipc_probe() -> str | None:
+    """Whether this job's processes can open each other's GPU memory (one small region each,
+    exchanged through the store once); the reason where CUDA refuses."""
+    n, me = jax.process_count(), jax.process_index()
+    procs = np.arange(n, dtype=np.int32)
+    devs = np.array([-1] * n, np.int32)
+    devs[me] = jax.local_devices()[0].id
+    try:
+        ipc_setup(_PROBE_COMM, n, 256, procs, devs)
+    except RuntimeError as e:
+        return f"CUDA IPC between this job's processes failed: {e}"
+    return None
+
+
+def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_device: np.ndarray) -> None:
+    """Register this process's ranks of call site ``comm_id`` (every group) for CUDA IPC, publish
+    their handles in the store and open their peers' (once per call site, at trace time). Raises
+    RuntimeError naming the process that did not answer or why CUDA refused."""
+    mod = _backends.module("gpu")
+    client = _client()
+    me = jax.process_index()
+    if (rank_process < 0).any():
+        raise RuntimeError("the devices of this collective's ranks are unknown at lowering time: use a "
+                           "mesh of the job's devices (jax.make_mesh / jax.set_mesh)")
+    local = {d.id: d for d in jax.local_devices()}
+    mine = [(i // n, i % n) for i in range(rank_process.size) if rank_process[i] == me]
+    for g, r in mine:
+        dev = local.get(int(rank_device[g * n + r])) if comm_id != _PROBE_COMM else jax.local_devices()[0]
+        if dev is None:
+            raise RuntimeError(f"rank {r} of group {g} is on device {rank_device[g * n + r]}, not one of this process's")
+        payload = mod.ipc_create(comm_id, g, r, n, int(nbytes), int(dev.local_hardware_id))
+        client.key_value_set_bytes(_IPC_KEY.format(comm_id, g, r), payload)
+    for g, r in mine:
+        for q in range(n):
+            if q == r:
+                continue
+            try:
+                payload = client.blocking_key_value_get_bytes(_IPC_KEY.format(comm_id, g, q),
+                                                              int(setup_timeout_s() * 1000))
+            except Exception as e:  # the store's error says little: name the process
+                raise RuntimeError(f"process {me} waited {setup_timeout_s():g} s for the CUDA IPC handle of "
+                                   f"rank {q} (process {int(rank_process[g * n + q])}), which did not answer "
+                                   f"({type(e).__name__})") from e
+            mod.ipc_open(comm_id, g, r, q, payload)

@@ -25,7 +25,6 @@ import weakref
 
 import jax
 import numpy as np
-from jax import lax
 
 from . import _backends
 
@@ -330,14 +329,25 @@ def _gpu_problem(what: str) -> str | None:
 
 @functools.cache
 def _ipc_probe() -> str | None:
-    """Whether this job's processes can open each other's GPU memory (one small region each,
-    exchanged through the store once); the reason where CUDA refuses."""
+    """Whether this process can open the GPU memory of the job's other processes on its host (one
+    small region each, exchanged through the store once); CUDA's reason where it refuses.
+    Processes on other hosts are never opened: ranks there meet through XLA's collectives."""
+    mod = _backends.module("gpu")
+    client = _client()
     n, me = jax.process_count(), jax.process_index()
-    procs = np.arange(n, dtype=np.int32)
-    devs = np.array([-1] * n, np.int32)
-    devs[me] = jax.local_devices()[0].id
+    hosts = [host_of_process(p) for p in range(n)]
+    peers = [p for p in range(n) if p != me and hosts[p] == hosts[me]]
     try:
-        ipc_setup(_PROBE_COMM, n, 256, procs, devs)
+        payload = mod.ipc_create(_PROBE_COMM, 0, me, n, 256, int(jax.local_devices()[0].local_hardware_id))
+        client.key_value_set_bytes(_IPC_KEY.format(_PROBE_COMM, 0, me), payload)
+        for p in peers:
+            try:
+                theirs = client.blocking_key_value_get_bytes(_IPC_KEY.format(_PROBE_COMM, 0, p),
+                                                             int(setup_timeout_s() * 1000))
+            except Exception as e:
+                raise RuntimeError(f"process {p} did not publish its CUDA IPC handle within "
+                                   f"{setup_timeout_s():g} s ({type(e).__name__})") from e
+            mod.ipc_open(_PROBE_COMM, 0, me, p, theirs)
     except RuntimeError as e:
         return f"CUDA IPC between this job's processes failed: {e}"
     return None

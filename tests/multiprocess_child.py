@@ -48,15 +48,6 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def _setup(local: int):
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    mesh = Mesh(np.array(jax.devices()), ("x",))
-    return mesh
-
-
 def _global(mesh, spec, make):
     """A global array whose shard i is make(i) (each process builds its own shards)."""
     import jax

@@ -16,6 +16,13 @@ TARGET_NOOP = "jax_blink_noop"
 #: The same with one operand, one result and no attributes: the binding's share of that price.
 TARGET_NOOP_BARE = "jax_blink_noop_bare"
 
+#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
+TARGET_MP = "jax_blink_collective_mp"
+#: GPU: all-reduce across processes through CUDA IPC (kernels/cuda_ipc.h).
+TARGET_IPC = "jax_blink_collective_ipc"
+#: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
+TARGET_AFTER = "jax_blink_after"
+
 # XLA's platform names for the handlers of each compiled module.
 _MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
 
@@ -46,7 +53,7 @@ def register(platform: str) -> bool:
         graph = plain
     jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
     jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
-    for probe in (TARGET_NOOP, TARGET_NOOP_BARE):
+    for probe in (TARGET_NOOP, TARGET_NOOP_BARE, TARGET_MP, TARGET_AFTER, TARGET_IPC):
         if probe in plain:
             jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True

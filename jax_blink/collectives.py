@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, autotune, schedule as _schedule, tuning
+from . import _backends, autotune, distributed as _distributed, hierarchy as _hierarchy, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
@@ -132,8 +132,19 @@ def default_topology(n: int, platform: str) -> Topology:
     return Topology.discover(devices[:n])
 
 
-def _topology_for(n: int, platform: str, topology: Topology | None) -> Topology:
+@functools.lru_cache(maxsize=None)
+def _devices_topology(devices: tuple) -> Topology:
+    return Topology.discover(list(devices))
+
+
+def _topology_for(n: int, platform: str, topology: Topology | None, axes=None) -> Topology:
     if topology is None:
+        # The real devices of the collective's ranks where they are known (several processes, or
+        # a concrete mesh in context), else the platform's first n.
+        devs = _distributed.rank_devices(axes) if axes and (
+            jax.process_count() > 1 or _distributed._concrete_mesh() is not None) else None
+        if devs is not None and devs.shape[1] == n:
+            return _devices_topology(tuple(devs[0]))
         return default_topology(n, platform)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a jax_blink.Topology, got {type(topology).__name__}")
@@ -179,15 +190,35 @@ def _peer_access_problem(n: int) -> str | None:
     return None
 
 
+def _hosts_of(axes: tuple[str, ...]):
+    """The host layout of a collective whose ranks span hosts (jax_blink.hierarchy), else None."""
+    if jax.process_count() == 1 or not _distributed.has_client():
+        return None  # no client: _executor_ready sends the call to lax and says why
+    return _hierarchy.layout(axes)
+
+
+def _across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
+    """True (after the fall-back warning, or an error with fallback=raise) where a collective
+    without a three-phase form has ranks on several hosts: they cannot meet in shared memory."""
+    if jax.process_count() == 1 or _hosts_of(axes) is None:
+        return False
+    problem = f"{what} has no three-phase form for ranks on several hosts (all_reduce has)"
+    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own collective "
+           "(set JAX_BLINK_FALLBACK=raise to make this an error)")
+    if config.fallback == "raise":
+        raise RuntimeError(msg)
+    if config.fallback == "warn" and problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return True
+
+
 def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
     """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
     problem = None
     if jax.process_count() > 1:
-        # The executors meet a collective's ranks inside one process (threads on CPU host devices,
-        # one process driving its GPUs); across processes the first call would wait out its
-        # time budget for peers that live elsewhere.
-        problem = (f"this job runs {jax.process_count()} processes and the executors run a collective "
-                   "among the devices of one process")
+        # Ranks in several processes meet through the job's shared memory (CPU executor).
+        problem = _distributed.executor_problem(platform, what)
     elif not _backends.register(platform):
         problem = f"no {platform} executor in this build"
     elif platform == "gpu":
@@ -266,30 +297,55 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
-                     topology=None, method="exact", result_type=None):
-    """One ``jax_blink_collective`` custom call over a flat operand."""
+                     topology=None, method="exact", result_type=None, sub=None):
+    """One ``jax_blink_collective`` custom call over a flat operand (among the ranks of one host
+    of ``axes`` where ``sub``, a :class:`jax_blink.hierarchy.SubGroup`, says so)."""
     config.validate()  # options set in code are checked here, when a call uses them
-    n = _axis_size(axes)
     platform = _platform()
-    topo = _topology_for(n, platform, topology)
+    if sub is None:
+        n = _axis_size(axes)
+        topo = _topology_for(n, platform, topology, axes)
+    else:
+        n = sub.n
+        topo = _topology_for(n, platform, topology) if topology is not None else _devices_topology(sub.devices)
     itemsize = np.dtype(flat.dtype).itemsize
     chunk = _chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype)
     program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
     share = _host_share(platform, topo, collective, root, method)
-    rank = _axis_index(axes).astype(jnp.int32)
+    rank = _axis_index(axes).astype(jnp.int32) if sub is None else sub.rank
+    group = _group_index(axes) if sub is None else sub.group
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
+    extra = {}
+    comm_id = _next_comm_id()
+    if jax.process_count() > 1:  # ranks in several processes: shared memory (CPU), CUDA IPC (GPU)
+        attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
+                 _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
+        if not _distributed.one_process_per_group(attrs["rank_process"], n):
+            if platform == "gpu":
+                if collective != "allreduce":
+                    raise NotImplementedError(
+                        f"jax_blink: {collective} among GPUs of several processes is not in this build "
+                        "(all_reduce is, through CUDA IPC); use the lax collective")
+                _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
+                                       attrs["rank_process"], attrs["rank_device"])
+                target, extra = _backends.TARGET_IPC, attrs
+            else:
+                target, extra = _backends.TARGET_MP, attrs
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
     # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
     # that every rank runs, so the ranks still meet the same calls in the same order.
+    # Across processes the calls of one program must run in one order on every device: XLA's CPU
+    # runtime may run independent calls concurrently in any order, and ranks blocked in different
+    # calls (or holding all its threads) wait for each other; a side effect keeps program order.
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
-    return call(flat, rank, _group_index(axes), program=program,
-                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
+    return call(flat, rank, group, program=program,
+                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
-                host_share=np.float32(share))
+                host_share=np.float32(share), **extra)
 
 
 def _replicated_type(x, axes):
@@ -298,6 +354,7 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
+@_distributed.in_program_order
 def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
          prefer_lax: bool = False):
     """``forward(x)`` through the executor, or ``reference(x)`` (the ``lax`` expression it equals)
@@ -354,6 +411,20 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
         return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
+    hosts = _hosts_of(axes)
+    if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
+            np.array(hosts.sub_process, np.int32), hosts.local):
+        # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
+        # process only (CUDA IPC carries all_reduce alone).
+        return _run("all_reduce", x, n, None, lambda u: lax_fn(u, axes),
+                    prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
+    if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
+        def f(v):  # noqa: F811
+            return _hierarchy.all_reduce(
+                v, axes, op, hosts,
+                functools.partial(_collective_call, topology=topology, method=method),
+                _group_index(axes), lambda b: _replicated_type(b, axes))
+
     return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes),
                 prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
 
@@ -376,7 +447,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
         return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    return _run("broadcast", x, n, f, reference)
+    return _run("broadcast", x, n, f, reference, prefer_lax=_across_hosts_to_lax("broadcast", axes))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -402,7 +473,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    return _run("reduce", x, n, f, reference)
+    return _run("reduce", x, n, f, reference, prefer_lax=_across_hosts_to_lax("reduce", axes))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -432,7 +503,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _run("all_gather", x, n, f, reference, elementwise=False)
+    return _run("all_gather", x, n, f, reference, elementwise=False,
+                prefer_lax=_across_hosts_to_lax("all_gather", axes))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -463,7 +535,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _run("reduce_scatter", x, n, f, reference, elementwise=False)
+    return _run("reduce_scatter", x, n, f, reference, elementwise=False,
+                prefer_lax=_across_hosts_to_lax("reduce_scatter", axes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,12 +576,17 @@ def _gpu_kernel(n: int, nbytes: int) -> str:
 
 
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
-            dtype="float32", method: str = "exact", device_kind: str | None = None) -> str:
+            dtype="float32", method: str = "exact", device_kind: str | None = None,
+            hosts: int = 1) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
     data is split between them, in which chunks, and why (the plan's own explanation).
 
     ``device_kind`` picks the tuned chunk that ``config.chunk_bytes = "auto"`` reads (default: the
-    kind of this process's default devices)."""
+    kind of this process's default devices). ``hosts`` > 1: ``topology`` is the inside of one of
+    that many hosts, and an all-reduce runs in three phases (:mod:`jax_blink.hierarchy`)."""
+    if hosts > 1:
+        return _explain_hosts(topology, nbytes, collective, hosts=hosts, dtype=dtype, method=method,
+                              device_kind=device_kind)
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {np.dtype(jnp.dtype(dtype)).name}")
@@ -561,6 +639,21 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
         lines.append(f"  tree {i}: root rank {t.root}, depth {t.depth()}, elements "
                      f"[{t.offset}, {t.offset + t.length}) in {chunks} chunk(s)")
     return "\n".join(lines)
+
+
+def _explain_hosts(topology: Topology, nbytes: int, collective: str, *, hosts: int, **kw) -> str:
+    """explain() of a collective over ``hosts`` hosts whose insides are ``topology``: the three
+    phases and their bytes, then the inside of a host as a one-host call explains it."""
+    if not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"hosts must be a positive int, got {hosts!r}")
+    if collective != "allreduce":
+        return (f"{collective} over {hosts} hosts: no three-phase form; lax runs it "
+                "(jax_blink's collectives across hosts are all_reduce only)")
+    piece = -(-nbytes // topology.n)
+    return "\n".join([_hierarchy.explain_phases(topology, hosts, nbytes, method=kw.get("method", "exact")),
+                      "inside each host, phases 1 and 3 are the reduce-scatter and all-gather of "
+                      f"{nbytes} bytes per rank ({piece} bytes per piece):",
+                      explain(topology, piece * topology.n, "reducescatter", **kw)])
 
 
 def backends() -> dict[str, bool]:

@@ -1,10 +1,12 @@
 // nanobind module `jax_blink._blink_cpu`: the CPU executor's FFI handler and its communicator state.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 
 #include "cpu_executor.h"
+#include "cpu_shm.h"
 
 namespace nb = nanobind;
 
@@ -16,6 +18,9 @@ NB_MODULE(_blink_cpu, m) {
       []() {
         nb::dict d;
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveCpu));
+        // Ranks in several processes of one machine (cpu_shm.h).
+        d["jax_blink_collective_mp"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveShm));
+        d["jax_blink_after"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkAfterCpu));
         return d;
       },
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='cpu').");
@@ -53,4 +58,18 @@ NB_MODULE(_blink_cpu, m) {
       "State of one communicator (None when it has none): for tests and debugging.");
 
   m.def("version", &jax_blink::cpu::Version);
+
+  // Jobs of several processes (cpu_shm.h).
+  m.def(
+      "shm_set_job",
+      [](const std::string& key, int process_index) {
+        std::string err = jax_blink::shm::SetJob(key, process_index);
+        if (!err.empty()) throw std::invalid_argument("jax_blink: " + err);
+      },
+      nb::arg("job_key"), nb::arg("process_index"),
+      "This process's job key (hex, from the job's key-value store) and process index.");
+  m.def("shm_cleanup", &jax_blink::shm::Cleanup,
+        "Unlink segments whose set-up never completed and unmap idle ones; returns the names unlinked.");
+  m.def("shm_linked", &jax_blink::shm::LinkedSegments,
+        "Names of this process's segments that are still linked in /dev/shm.");
 }

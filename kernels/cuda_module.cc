@@ -35,6 +35,7 @@
 #include <string>
 
 #include "cuda_executor.h"
+#include "cuda_ipc.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -211,6 +212,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpBareCuda, NoOpBare,
 NB_MODULE(_blink_cuda, m) {
   m.doc() = "jax_blink CUDA executor: the FFI handler of 'jax_blink_collective' for GPUs (peer access).";
 
+  // Jobs of several processes: CUDA IPC regions, set up at trace time (jax_blink/distributed.py).
+  m.def(
+      "ipc_create",
+      [](int64_t comm_id, int32_t group, int32_t rank, int32_t nranks, int64_t nbytes, int device) {
+        std::vector<uint8_t> payload;
+        std::string err = jax_blink::cuda_ipc::Create(comm_id, group, rank, nranks, nbytes, device, &payload);
+        if (!err.empty()) throw std::runtime_error("jax_blink: " + err);
+        return nb::bytes(reinterpret_cast<const char*>(payload.data()), payload.size());
+      },
+      nb::arg("comm_id"), nb::arg("group"), nb::arg("rank"), nb::arg("nranks"), nb::arg("nbytes"),
+      nb::arg("device"), "Register a rank's IPC region; returns the payload its peers open.");
+  m.def(
+      "ipc_open",
+      [](int64_t comm_id, int32_t group, int32_t rank, int32_t peer, nb::bytes payload) {
+        const auto* p = static_cast<const uint8_t*>(payload.data());
+        std::string err = jax_blink::cuda_ipc::Open(comm_id, group, rank, peer,
+                                                    std::vector<uint8_t>(p, p + payload.size()));
+        if (!err.empty()) throw std::runtime_error("jax_blink: " + err);
+      },
+      nb::arg("comm_id"), nb::arg("group"), nb::arg("rank"), nb::arg("peer"), nb::arg("payload"),
+      "Open a peer's IPC region for a local rank (raises where CUDA refuses, saying why).");
+  m.def("ipc_registered", &jax_blink::cuda_ipc::Registered, nb::arg("comm_id"), nb::arg("device"));
+  m.def("ipc_release", &jax_blink::cuda_ipc::ReleaseAll, "Free every IPC region (no call may run).");
+
   m.def(
       "registrations",
       [](bool command_buffers) {
@@ -219,6 +244,8 @@ NB_MODULE(_blink_cuda, m) {
             command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
         d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
         d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
+        // All-reduce across processes through CUDA IPC (cuda_ipc.h).
+        d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
       },
       nb::arg("command_buffers") = false,

@@ -513,17 +513,18 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
 
 @pytest.mark.parametrize("why", ["no executor", "several processes"])
 def test_where_the_executor_cannot_run_it_falls_back_to_lax_or_raises(monkeypatch, why):
-    """No executor built for the platform, or a job of several processes (jax.distributed, one
-    process per GPU: the executors meet a call's ranks inside one process; the first call would
-    wait out its time budget): lax, with a warning that says why, or an error with fallback=raise."""
+    """No executor built for the platform, or a job of several processes without a jax.distributed
+    client: lax, with a warning that says why, or an error with fallback=raise."""
     from jax_blink import collectives
 
     if why == "no executor":
         monkeypatch.setattr(collectives._backends, "register", lambda platform: False)
         reason = "no .* executor in this build"
     else:
+        # Several processes meet through shared memory, named by a key from the job's
+        # jax.distributed store (tests/test_multiprocess.py): without a client, lax.
         monkeypatch.setattr(collectives.jax, "process_count", lambda: 2)
-        reason = "runs 2 processes"
+        reason = "runs 2 processes but has no jax.distributed client"
     monkeypatch.setattr(collectives, "_warned", set())
     mesh = _mesh((N, "x"))
     x = _put(mesh, _random(np.random.default_rng(12), (N, 5), "float32"), P("x"))

@@ -1,0 +1,116 @@
+"""The three-phase layer without processes: host layouts, explain(), the cost model, the options.
+
+The three phases themselves run in jobs of several processes: tests/test_multiprocess.py.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from jax_blink import distributed, hierarchy, simulate  # noqa: E402
+from jax_blink.collectives import explain  # noqa: E402
+from jax_blink.topology import Topology  # noqa: E402
+
+
+def _fake_devices(procs_per_rank, groups=1):
+    n = len(procs_per_rank)
+    return np.array([[SimpleNamespace(process_index=p, id=g * 100 + r) for r, p in enumerate(procs_per_rank)]
+                     for g in range(groups)], dtype=object).reshape(groups, n)
+
+
+@pytest.fixture
+def two_processes(monkeypatch):
+    monkeypatch.setattr(hierarchy.jax, "process_count", lambda: 2)
+    yield monkeypatch
+    distributed.set_processes_per_host(None)
+
+
+def test_layout_of_host_local_axes(two_processes):
+    # 2 hosts (one process each) x 3 ranks, host-major as a ("host", "local") mesh lays them out.
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 0, 0, 1, 1, 1], groups=2))
+    distributed.set_processes_per_host(1)
+    lay = hierarchy.layout(("host", "local"))
+    assert (lay.hosts, lay.local) == (2, 3)
+    assert lay.host == (0, 0, 0, 1, 1, 1) * 2 and lay.local_index == (0, 1, 2) * 4
+    assert lay.rank_of == ((0, 1, 2), (3, 4, 5)) and lay.host_axis == "host"
+    # the executor's tables for the sub-communicators, [(g * hosts + h) * local + l]
+    assert lay.sub_device == (0, 1, 2, 3, 4, 5, 100, 101, 102, 103, 104, 105)
+
+
+def test_layout_of_a_single_axis_interleaved_over_hosts(two_processes):
+    # ranks alternate between the hosts: no host axis, ppermute rounds between them
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 0, 1]))
+    distributed.set_processes_per_host(1)
+    lay = hierarchy.layout(("x",))
+    assert lay.rank_of == ((0, 2), (1, 3)) and lay.host_axis is None
+    assert lay.host == (0, 1, 0, 1) and lay.local_index == (0, 0, 1, 1)
+
+
+def test_layout_groups_processes_into_hosts_and_needs_equal_hosts(two_processes):
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 2, 3]))
+    distributed.set_processes_per_host(4)
+    assert hierarchy.layout(("x",)) is None  # one host: flat
+    distributed.set_processes_per_host(2)
+    assert hierarchy.layout(("x",)).rank_of == ((0, 1), (2, 3))
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 0, 0, 1]))
+    distributed.set_processes_per_host(1)
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        hierarchy.layout(("x",))
+
+
+def test_processes_per_host_and_setup_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_PROCESSES_PER_HOST", "4")
+    assert distributed.processes_per_host() == 4
+    monkeypatch.setenv("JAX_BLINK_PROCESSES_PER_HOST", "zero")
+    with pytest.raises(ValueError, match="JAX_BLINK_PROCESSES_PER_HOST"):
+        distributed.processes_per_host()
+    with pytest.raises(ValueError, match="positive int"):
+        distributed.set_processes_per_host(0)
+    monkeypatch.setenv("JAX_BLINK_SETUP_TIMEOUT_S", "2.5")
+    assert distributed.setup_timeout_s() == 2.5
+    monkeypatch.setenv("JAX_BLINK_SETUP_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match="JAX_BLINK_SETUP_TIMEOUT_S"):
+        distributed.setup_timeout_s()
+
+
+def test_one_process_per_group():
+    assert distributed.one_process_per_group(np.array([0, 0, 1, 1], np.int32), 2)
+    assert not distributed.one_process_per_group(np.array([0, 1, 0, 1], np.int32), 2)
+    assert not distributed.one_process_per_group(np.array([-1, -1], np.int32), 2)  # unknown
+
+
+def test_explain_shows_the_phases_and_their_bytes():
+    topo = Topology.preset("dgx1v")
+    nbytes, hosts = 1 << 24, 4
+    text = explain(topo, nbytes, hosts=hosts)
+    piece = nbytes // 8
+    assert f"three phases over {hosts} hosts x 8 ranks" in text
+    assert f"8 pieces of {piece} bytes" in text
+    assert f"{2 * (hosts - 1) / hosts * piece:.0f} bytes sent per rank over the network" in text
+    assert f"{nbytes * 7 / 8:.0f} bytes sent per rank" in text
+    assert "segment k goes through the reduce trees rooted at rank k" in text  # the inside
+    assert "no three-phase form" in explain(topo, nbytes, "allgather", hosts=hosts)
+
+
+def test_cost_model_against_its_formulas():
+    topo = Topology.preset("dgx1v")
+    from jax_blink.treegen import plan
+
+    S, H, B = float(1 << 28), 4, 50.0
+    t = hierarchy.model_times_us(H, B, S, topo)
+    bpu = simulate.MODEL["bytes_per_us_per_gbps"]
+    inter = 2 * (H - 1) * (hierarchy.NET_ALPHA_US + S / 8 / (H * B * bpu))
+    assert t["blink_3phase"] == pytest.approx(simulate.time_us(plan(topo, "allreduce"), "allreduce", S) + inter)
+    rp = simulate.rings(topo)
+    assert t["nccl_hier_rings"] == pytest.approx(2 * 7 * (simulate.MODEL["alpha_us"]["nvlink"] + S / (8 * rp.rate * bpu)) + inter)
+    N = 8 * H
+    assert t["flat_ring"] == pytest.approx(2 * (N - 1) * (hierarchy.NET_ALPHA_US + S / (N * rp.num_rings * min(min(rp.rates), B) * bpu)))
+    # more hosts, slower; a faster network, faster
+    assert hierarchy.model_times_us(8, B, S, topo)["blink_3phase"] > t["blink_3phase"]
+    assert hierarchy.model_times_us(H, 100.0, S, topo)["blink_3phase"] < t["blink_3phase"]
+    assert math.isfinite(hierarchy.model_times_us(1, B, S, topo)["flat_ring"])

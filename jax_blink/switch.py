@@ -213,6 +213,10 @@ def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Pla
 
     if params.get("is_async"):
         return to_xla("asynchronous collectives (start/done pairs) stay XLA's")
+    positional = tuple(a for a in axes if isinstance(a, int))
+    named = tuple(a for a in axes if not isinstance(a, int))
+    if not named:
+        return to_xla("vmap-bound axes only: a local reduction, no communication")
     mesh = _jx.manual_mesh(ctx)
     if mesh is None:
         return to_xla("not lowered inside a shard_map or pmap body")
@@ -220,10 +224,6 @@ def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Pla
     auto = [a for a, s in zip(names, sizes) if a not in manual and s > 1]
     if auto:
         return to_xla(f"a partially manual shard_map (mesh axes {auto} are automatic)")
-    positional = tuple(a for a in axes if isinstance(a, int))
-    named = tuple(a for a in axes if not isinstance(a, int))
-    if not named:
-        return to_xla("no mesh axis: a reduction over vmap-bound axes only")
     if dtype not in _col.SUPPORTED_DTYPES:
         return to_xla(f"dtype {dtype}: the executors take {', '.join(_col.SUPPORTED_DTYPES)}")
     if not all(isinstance(d, (int, np.integer)) for d in shape):

@@ -24,6 +24,10 @@ from jax._src.interpreters import mlir as _mlir_internal
 # mesh, as partition_id numbers them) of each group that a collective over `axes` spans; the
 # same replica groups that jax gives XLA's own collective.
 from jax._src.interpreters import pxla as _pxla
+# jax._src.pjit.jit_p: the primitive of a nested jax.jit call. Its lowering rule keeps the function
+# it emits in ModuleContext.cached_primitive_lowerings under a key whose first item is jit_p, and
+# calls it again from every call site of the same jaxpr.
+from jax._src import pjit as _pjit
 # jax._src.sharding_impls.SPMDAxisContext: the axis context of a shard_map body (and of pmap,
 # which jax runs as a shard_map): .mesh and .manual_axes.
 from jax._src import sharding_impls as _sharding_impls
@@ -42,6 +46,30 @@ PRIMITIVES: dict[str, Any] = {
     "all_gather_invariant": _parallel.all_gather_invariant_p,
     "reduce_scatter": _parallel.reduce_scatter_p,
 }
+
+
+JIT_PRIMITIVE = _pjit.jit_p
+
+
+def set_uncacheable(prim, uncacheable: bool) -> bool:
+    """Mark ``prim``'s lowering as one that jax must emit afresh at each equation (never a shared
+    function for equal equations); returns whether it was so marked before.
+    (mlir._uncacheable_primitives: register_lowering(cacheable=False) adds to it, nothing removes.)"""
+    table = _mlir_internal._uncacheable_primitives
+    was = prim in table
+    if uncacheable:
+        table.add(prim)
+    else:
+        table.discard(prim)
+    return was
+
+
+def forget_lowered_jit_functions(ctx) -> None:
+    """Drop the functions that nested jit calls emitted so far in this module, so that the next
+    call site lowers its own copy."""
+    cache = ctx.module_context.cached_primitive_lowerings
+    for key in [k for k in cache if type(k) is tuple and k and k[0] is JIT_PRIMITIVE]:
+        del cache[key]
 
 
 def registered_rule(prim, platform: str):
@@ -66,6 +94,11 @@ def restore_rule(prim, platform: str, entry) -> None:
 def rule_of(entry):
     """The lowering function inside a registered entry."""
     return entry.rule
+
+
+def inline_of(entry) -> bool:
+    """Whether jax emits the entry's rule inline (False: as a function of its own)."""
+    return entry.inline
 
 
 def manual_mesh(ctx) -> tuple[tuple[str, ...], tuple[int, ...], frozenset] | None:

@@ -26,6 +26,7 @@ the next call of every jitted function lowers again under the rules now in force
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -53,6 +54,7 @@ _KIND = {**{p: "allreduce" for p in _ALL_REDUCE}, "all_gather": "allgather",
 
 _lock = threading.RLock()
 _saved: dict[tuple[str, str], object] = {}  # (primitive name, platform) -> the entry replaced
+_was_uncacheable: dict[str, bool] = {}
 _installed = False
 _decisions: collections.deque = collections.deque(maxlen=10_000)
 _warned: set[str] = set()
@@ -91,15 +93,19 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        for name, prim in _jx.PRIMITIVES.items():
+        for name, prim in [*_jx.PRIMITIVES.items(), ("jit", _jx.JIT_PRIMITIVE)]:
             for platform in LOWERING_PLATFORMS:
                 own = _jx.registered_rule(prim, platform)
                 replaced = own if own is not None else _jx.generic_rule(prim)
                 if replaced is None:  # jax lowers it nowhere: nothing to replace
                     continue
                 _saved[(name, platform)] = own
-                mlir.register_lowering(prim, _make_rule(name, platform, _jx.rule_of(replaced)),
-                                       platform=platform)
+                rule = (_jit_rule if name == "jit" else _make_rule)(name, platform, _jx.rule_of(replaced))
+                mlir.register_lowering(prim, rule, platform=platform, inline=_jx.inline_of(replaced))
+            if name != "jit":
+                # Each call site its own comm_id (the executors tell calls apart by it): jax must not
+                # emit one shared function for equal equations, which XLA:CPU may run at once.
+                _was_uncacheable[name] = _jx.set_uncacheable(prim, True)
         _installed = True
         jax.clear_caches()
 
@@ -111,8 +117,12 @@ def uninstall() -> None:
         if not _installed:
             return
         for (name, platform), own in _saved.items():
-            _jx.restore_rule(_jx.PRIMITIVES[name], platform, own)
+            prim = _jx.JIT_PRIMITIVE if name == "jit" else _jx.PRIMITIVES[name]
+            _jx.restore_rule(prim, platform, own)
+        for name, was in _was_uncacheable.items():
+            _jx.set_uncacheable(_jx.PRIMITIVES[name], was)
         _saved.clear()
+        _was_uncacheable.clear()
         _installed = False
         jax.clear_caches()
 
@@ -163,6 +173,20 @@ def _make_rule(name: str, platform: str, replaced):
         return _EMIT[_KIND[name]](ctx, *args, plan=plan, **params)
 
     rule.__name__ = f"jax_blink_{name}_lowering"
+    return rule
+
+
+def _jit_rule(name: str, platform: str, replaced):
+    """A nested jax.jit call lowered as jax does, but never through a function that an earlier call
+    site of the same jaxpr emitted: two call sites of one function would share the comm_ids of
+    the collectives inside it, and XLA:CPU may run independent calls at once."""
+    del name, platform
+
+    def rule(ctx, *args, **params):
+        _jx.forget_lowered_jit_functions(ctx)
+        return replaced(ctx, *args, **params)
+
+    rule.__name__ = "jax_blink_jit_lowering"
     return rule
 
 
@@ -359,19 +383,46 @@ _EMIT = {"allreduce": _emit_all_reduce, "allgather": _emit_all_gather,
 # ---------------------------------------------------------------------------------------------
 # python -m jax_blink run SCRIPT.py [ARGS...]
 
+RUN_USAGE = "usage: python -m jax_blink run [--report] SCRIPT.py [ARGS...]"
+
+
 def run_script(argv: Sequence[str]) -> int:
-    """Run ``argv[0]`` with arguments ``argv[1:]`` as ``python SCRIPT ARGS...`` would, with the
-    switch on. The script's ``SystemExit`` and exceptions pass through unchanged; returns 0 when
-    it ends normally."""
+    """Run ``SCRIPT.py`` with ``ARGS`` as ``python SCRIPT.py ARGS...`` would, with the switch on.
+
+    The script's ``sys.argv``, ``__name__ == "__main__"``, ``SystemExit`` and exceptions are its own
+    (they pass through unchanged); returns 0 when it ends normally. ``--report`` (before the
+    script) prints the switch's decisions to stderr when the process exits."""
+    argv = list(argv)
+    report = False
+    while argv and argv[0].startswith("-"):
+        opt = argv.pop(0)
+        if opt == "--report":
+            report = True
+        elif opt in ("-h", "--help"):
+            print(RUN_USAGE)
+            return 0
+        else:
+            print(f"{RUN_USAGE}\npython -m jax_blink run: unknown option {opt!r}", file=sys.stderr)
+            return 2
     if not argv:
-        print("usage: python -m jax_blink run SCRIPT.py [ARGS...]", file=sys.stderr)
+        print(RUN_USAGE, file=sys.stderr)
         return 2
     path = argv[0]
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         print(f"python -m jax_blink run: can't open file {path!r}: no such file", file=sys.stderr)
         return 2
-    sys.argv = list(argv)
+    sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python SCRIPT` puts its folder first
+    if report:
+        atexit.register(_print_report)
     install()
     runpy.run_path(path, run_name="__main__")
     return 0
+
+
+def _print_report() -> None:
+    decisions = switch_report()
+    on = sum(d.runs_on == "jax_blink" for d in decisions)
+    lines = [f"jax_blink switch: {len(decisions)} collective(s) lowered, {on} on jax_blink, "
+             f"{len(decisions) - on} on XLA"] + [f"  {d}" for d in decisions]
+    print("\n".join(lines), file=sys.stderr)

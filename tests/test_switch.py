@@ -95,18 +95,22 @@ def test_jax_internals_are_where_the_switch_expects():
 
 
 def test_install_is_idempotent_and_uninstall_restores_jax_rules():
-    prims = _jax_internals.PRIMITIVES.values()
+    from jax._src.interpreters import mlir as mlir_internal
+    prims = [*_jax_internals.PRIMITIVES.values(), _jax_internals.JIT_PRIMITIVE]
     before = {(p, pl): _jax_internals.registered_rule(p, pl) for p in prims for pl in ("cpu", "cuda")}
+    uncacheable = set(mlir_internal._uncacheable_primitives)
     jax_blink.install()
     jax_blink.install()
     assert jax_blink.is_installed()
-    ours = _jax_internals.registered_rule(_jax_internals.PRIMITIVES["psum"], "cpu")
-    assert ours is not None and "jax_blink" in _jax_internals.rule_of(ours).__name__
+    for prim in prims:
+        ours = _jax_internals.registered_rule(prim, "cpu")
+        assert ours is not None and "jax_blink" in _jax_internals.rule_of(ours).__name__, prim
+    assert set(_jax_internals.PRIMITIVES.values()) <= mlir_internal._uncacheable_primitives
     jax_blink.uninstall()
     jax_blink.uninstall()
     assert not jax_blink.is_installed()
     after = {(p, pl): _jax_internals.registered_rule(p, pl) for p in prims for pl in ("cpu", "cuda")}
-    assert after == before
+    assert after == before and mlir_internal._uncacheable_primitives == uncacheable
 
 
 def test_installed_block_leaves_the_switch_as_it_found_it():
@@ -222,6 +226,27 @@ def test_integer_and_float64_operands():
         plain, switched, hlo, _ = _both(_smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P()), x)
         np.testing.assert_array_equal(plain, switched) if dtype == "int32" else _assert_same(plain, switched)
         assert TARGET in hlo
+
+
+def test_equal_independent_collectives_each_have_their_own_call_site():
+    """Equal collectives on independent data (FSDP's per-layer gathers; one jitted function called
+    at several sites) may run at once on XLA:CPU: each needs its own communicator id, or the
+    executor pairs one site's data on one rank with another site's on the next."""
+    mesh = _mesh()
+    ws = [_put(mesh, _rand(40 + i, (N * 4, 16)), P("x")) for i in range(4)]
+    gather = jax.jit(lambda w: lax.all_gather(w, "x", tiled=True))
+
+    def body(*ws):
+        direct = [lax.all_gather(w, "x", tiled=True) for w in ws]  # equal equations
+        nested = [gather(w * 2) for w in ws]                      # one function, four sites
+        return tuple(direct + nested)
+
+    fn = _smap(body, mesh, (P("x"),) * 4, (P(),) * 8, check_vma=False)
+    plain, switched, hlo, comms = _both(fn, *ws)
+    _assert_same(plain, switched)
+    assert comms == 8
+    for w, got in zip(ws, switched[:4]):
+        np.testing.assert_array_equal(got, np.asarray(w))
 
 
 # ---------------------------------------------------------------------------------------------

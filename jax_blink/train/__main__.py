@@ -103,6 +103,10 @@ def parser() -> argparse.ArgumentParser:
                         "executor; auto sends sizes where psum was measured faster to psum")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
+    p.add_argument("--stream", type=_positive_int("--stream"),
+                   help="experimental, GPU: run each bucket's jax_blink all-reduce as an asynchronous call "
+                        "on XLA stream N (jax's compute_on gpu_stream:N), so that it may overlap compute "
+                        "(docs/overlap.md)")
     p.add_argument("--quick-compile", action="store_true",
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
@@ -196,6 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if n > len(devices):
         print(f"{PROG}: --devices {n}: only {len(devices)} {devices[0].platform} devices", file=sys.stderr)
         return 2
+    if args.stream is not None and devices[0].platform not in ("gpu", "cuda"):
+        print(f"{PROG}: --stream {args.stream}: stream annotations are an XLA:GPU feature; this run is on "
+              f"{devices[0].platform} devices", file=sys.stderr)
+        return 2
+    if args.stream is not None and args.collective != "blink":
+        print(f"{PROG}: --stream applies to --collective blink (the switch lowers inside jax's own rules)",
+              file=sys.stderr)
+        return 2
     mesh = jax.make_mesh((n,), ("data",), devices=devices[:n])
     lines: list[str] = []
 
@@ -209,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dp = DataParallel(args.model, cfg, mesh, bucket_bytes=int(args.bucket_mb * (1 << 20)),
                       first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
                       lr=args.lr, dispatch=args.dispatch,
-                      compiler_options={"xla_backend_optimization_level": 0} if args.quick_compile else None)
+                      compiler_options={"xla_backend_optimization_level": 0} if args.quick_compile else None,
+                      stream=args.stream)
     say(f"model: {args.model} {args.size} {cfg}, {dp.param_count:,} parameters")
     say(f"gradient buckets: {dp.layout.describe()}")
     if args.explain and n > 1:
@@ -226,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     record = {"argv": list(argv if argv is not None else sys.argv[1:]), "model": args.model, "size": args.size,
               "config": dataclasses.asdict(cfg), "parameters": dp.param_count, "collective": args.collective,
-              "dispatch": args.dispatch, "quick_compile": args.quick_compile, "devices": n, "device_kind": kind, "platform": devices[0].platform,
+              "dispatch": args.dispatch, "quick_compile": args.quick_compile, "stream": args.stream, "devices": n, "device_kind": kind, "platform": devices[0].platform,
               "jax": jax.__version__, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}

@@ -46,10 +46,22 @@ def switch_available() -> bool:
     return hasattr(jax_blink, "installed")
 
 
-def reducer(mode: str, axis: str) -> Callable[[jax.Array], jax.Array]:
-    """The sum over ``axis`` of one bucket, as ``mode`` computes it."""
+def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Array], jax.Array]:
+    """The sum over ``axis`` of one bucket, as ``mode`` computes it.
+
+    ``stream`` (``blink`` only, experimental): lower each call inside
+    ``compute_on2(compute_type="gpu_stream:<stream>")``, which XLA:GPU runs as an asynchronous
+    call on that stream (``--xla_gpu_experimental_stream_annotation``), so that it may overlap the
+    computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
+    if stream is not None and mode != "blink":
+        raise ValueError(f"stream= applies to the blink mode only, not {mode!r}")
     if mode in ("psum", "switch"):
         return lambda buf: lax.psum(buf, axis)
+    if mode == "blink" and stream is not None:
+        from jax.experimental.compute_on import compute_on2
+        on_stream = compute_on2(lambda buf: all_reduce(buf, axis), compute_type=f"gpu_stream:{stream}",
+                                out_memory_spaces=jax.memory.Space.Device)
+        return on_stream
     if mode == "blink":
         return lambda buf: all_reduce(buf, axis)
     if mode == "none":
@@ -84,10 +96,12 @@ class DataParallel:
                  bucket_bytes: int = _buckets.DEFAULT_BUCKET_BYTES,
                  first_bucket_bytes: int | None = _buckets.DEFAULT_FIRST_BUCKET_BYTES,
                  seed: int = 0, lr: float | None = None, data_batches: int = 4,
-                 dispatch: str = "blink", compiler_options: dict | None = None):
+                 dispatch: str = "blink", compiler_options: dict | None = None,
+                 stream: int | None = None):
         self.model_name, self.cfg, self.mesh, self.axis = model, cfg, mesh, axis
         self.n = mesh.shape[axis]
         self.dispatch = dispatch
+        self.stream = stream  # the blink mode's experimental stream annotation (reducer())
         self.compiler_options = compiler_options  # for the steps' compiles (tests: less optimisation)
         self.tx = optimizer(model, lr)
         self.loss_fn = build_loss(model)
@@ -120,7 +134,7 @@ class DataParallel:
     def step_fn(self, mode: str):
         """The jitted data-parallel step ``(state, batch) -> (state, per-device losses)`` of
         ``mode`` (not yet traced: see :func:`lowering_context`)."""
-        reduce_bucket = reducer(mode, self.axis)
+        reduce_bucket = reducer(mode, self.axis, self.stream if mode == "blink" else None)
         graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
                                                   self.axis, self.n)
         # `none` leaves each device's parameters its own: shard_map may not check replication.

@@ -125,6 +125,24 @@ def device_position(ctx):
     return _hlo.convert(i32, _hlo.partition_id())
 
 
+def after_last_call(value, target_prefix: str):
+    """``value`` made to depend on the result of the last custom call to a ``target_prefix*``
+    target emitted so far in the block being built (``value`` itself if there is none): an
+    ``optimization_barrier`` of both, which XLA keeps, so that XLA runs the calls of one block in
+    the order they were emitted, on every device. (The block is MLIR's insertion point.)"""
+    block = _ir.InsertionPoint.current.block
+    ops = block.operations
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.name != "stablehlo.custom_call":
+            continue
+        target = _ir.StringAttr(op.attributes["call_target_name"]).value
+        if target.startswith(target_prefix):
+            barrier = _hlo.OptimizationBarrierOp([value, op.results[0]])
+            return barrier.results[0]
+    return value
+
+
 def int32_scalar_aval():
     """The abstract value of :func:`device_position` (plain, outside any mesh)."""
     import jax

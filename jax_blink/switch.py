@@ -325,9 +325,14 @@ def _call(flat, plan: _Plan, position, collective: str, op: str = "sum"):
 
 
 def _lower(ctx, body, *args):
-    """Lower ``body(*args, position)`` in place of the primitive."""
+    """Lower ``body(*args, position)`` in place of the primitive.
+
+    ``position`` waits for the previous jax_blink call of the same block: XLA:CPU runs independent
+    custom calls at once, in an order of its choosing per device, and calls that block for their
+    peers can then wait on each other in a cycle (seen: FSDP + TP gradients on a 4 x 2 mesh)."""
     sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, _jx.int32_scalar_aval()])
-    return mlir.lower_fun(body, multiple_results=False)(sub, *args, _jx.device_position(ctx))
+    position = _jx.after_last_call(_jx.device_position(ctx), _backends.TARGET)
+    return mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
 
 
 _POSITIONAL_REDUCE = {"sum": lax.reduce_sum, "max": lax.reduce_max, "min": lax.reduce_min}

@@ -31,7 +31,7 @@ CI_CASES = [_PMAP + t for t in (
     "testGather", "testGatherTiled", "testGatherNegativeAxis", "testReduceScatter",
     "testReduceScatterTiled", "testReduceScatterReplicaGroupsTiled",
     "testCollectivesWithTreesOfDifferentDtypes", "testComplexPsum", "testGradOfPsum",
-    "testPsumReplicaGroups", "testGatherReplicaGroups", "testPsumOnBooleanDtype", "testGradBasic",
+    "testPsumReplicaGroups", "testGatherReplicaGroups", "testPsumOnBooleanDtype",
     "testPsumUnevenReplicaGroups")] + [_SMAP + t for t in (
     "test_all_gather", "test_all_gather_invariant_basic", "test_all_gather_with_axis_index_groups",
     "test_matmul_reduce_scatter", "test_reduce_scatter_with_axis_index_groups",
@@ -71,7 +71,7 @@ def test_jax_own_collective_tests_pass_as_without_the_switch(tmp_path):
         if short in XLA_ONLY:
             assert not on_blink and rec["executor_comms"] == 0, (name, rec)
             assert all(XLA_ONLY[short] in d["reason"] for d in rec["decisions"]), (name, rec)
-        elif not full and rec["plain"] == "passed":
+        elif rec["decisions"] and rec["plain"] == "passed":
             # jax_blink was meant to run here: its custom call was lowered and its executor ran.
             assert on_blink and rec["executor_comms"] > 0, (name, rec)
 

@@ -54,7 +54,8 @@ def main(argv=None) -> None:
         # would sum the gradients itself, one all-reduce per leaf).
         mine = jax.tree.map(lambda p: lax.pcast(p, "data", to="varying"), params)
         loss, grads = jax.value_and_grad(lambda p: gpt2_loss(nnx.merge(graphdef, p), tokens))(mine)
-        grads = bucketed(grads, lambda buf: sum_over_devices(buf, "data") / n, layout)
+        grads = bucketed(grads, lambda buf: sum_over_devices(buf, "data") / n, layout,
+                         ordered=True)  # jax_blink's calls in bucket order on every device
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
 

@@ -56,7 +56,8 @@ def main(argv=None) -> None:
             return resnet_loss(model, batch), nnx.state(model, nnx.BatchStat)
 
         (loss, new_stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
-        grads, stats = bucketed((grads, new_stats), lambda buf: sum_over_devices(buf, "data") / n, layout)
+        grads, stats = bucketed((grads, new_stats), lambda buf: sum_over_devices(buf, "data") / n,
+                                layout, ordered=True)  # jax_blink's calls in bucket order on every device
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), stats, opt_state, lax.pmean(loss, "data")
 

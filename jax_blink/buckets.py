@@ -146,18 +146,30 @@ class BucketLayout:
 
 
 def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
-             layout: BucketLayout | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer)."""
+             layout: BucketLayout | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             ordered: bool = False):
+    """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer).
+
+    ``ordered``: each bucket's call waits for the previous one's result (an
+    ``optimization_barrier``), so that every device runs them in bucket order. jax_blink's calls
+    need it: they block until their peers arrive, and XLA:CPU may run independent calls at once in
+    an order of its choosing per device, which can leave two devices waiting on each other."""
     layout = layout or BucketLayout.of(tree, bucket_bytes)
-    return layout.unpack([reduce_bucket(buf) for buf in layout.pack(tree)])
+    outs: list[jax.Array] = []
+    for buf in layout.pack(tree):
+        if ordered and outs:
+            buf, _ = jax.lax.optimization_barrier((buf, outs[-1]))
+        outs.append(reduce_bucket(buf))
+    return layout.unpack(outs)
 
 
 def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, **kwargs):
-    """``jax_blink.all_reduce`` (sum) of every leaf of ``tree``, one call per bucket; keyword
-    arguments go to :func:`jax_blink.all_reduce`."""
+    """``jax_blink.all_reduce`` (sum) of every leaf of ``tree``, one call per bucket, in bucket
+    order; keyword arguments go to :func:`jax_blink.all_reduce`."""
     from .collectives import all_reduce
-    return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes)
+    return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
+                    ordered=True)
 
 
 def _fmt_bytes(n: int) -> str:

@@ -154,7 +154,9 @@ class DataParallel:
                 return loss, nnx.state(model, nnx.BatchStat)
 
             (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
-            summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout)
+            # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
+            summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
+                                       ordered=mode == "blink")
             grads, stats = jax.tree.map(lambda v: v / n, (summed["grads"], summed["stats"]))
             updates, opt = tx.update(grads, state["opt"], params)
             return ({"params": optax.apply_updates(params, updates), "stats": stats, "opt": opt},

@@ -8,6 +8,7 @@ OR-Tools at trace time, and run them as an XLA custom call::
 from .collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast, check,
                           explain, reduce, reduce_scatter)
 from .options import config
+from .switch import explain_lowering, install, installed, is_installed, switch_report, uninstall
 from .topology import Topology
 from .treegen import Plan, plan
 
@@ -16,4 +17,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "backends", "broadcast",
     "check", "config", "explain", "plan", "reduce", "reduce_scatter",
+    # the switch (jax_blink/switch.py): lax collectives of unedited programs on jax_blink
+    "explain_lowering", "install", "installed", "is_installed", "switch_report", "uninstall",
 ]

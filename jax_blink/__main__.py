@@ -1,4 +1,5 @@
-"""Command line: ``python -m jax_blink plan ...`` (the main job).
+"""Command line: ``python -m jax_blink plan ...`` (the main job), ``python -m jax_blink run
+SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch).
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
 
@@ -237,11 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("runs", nargs="+", metavar="JSON",
                     help="all-reduce bench results (python -m jax_blink.bench -o DIR) of one machine")
     pc.set_defaults(func=cmd_crossover)
+
+    # Handled by main() before parsing (its arguments belong to the script); listed for --help.
+    sub.add_parser("run", help="run SCRIPT.py [ARGS...] as python would, its lax collectives on "
+                               "jax_blink (jax_blink.install())")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # `run SCRIPT.py [ARGS...]`: the script as `python SCRIPT.py ARGS...` runs it, with the
+        # switch on (jax_blink.switch). Its arguments are its own, its environment untouched, and
+        # its exit status and exceptions pass through.
+        from .switch import run_script
+        return run_script(argv[1:])
     _ensure_host_devices()
     parser = build_parser()
     try:

@@ -354,18 +354,34 @@ def _replicated_type(x, axes):
     return jax.eval_shape(lambda v: lax.psum(v, axes), x)
 
 
+def _on_mesh(axes: tuple[str, ...]) -> bool:
+    """Whether every one of ``axes`` is a manual mesh axis (shard_map, pmap) rather than an axis
+    bound by ``vmap``, which the executor has no devices for (``lax`` handles it by batching)."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        names, manual = tuple(mesh.axis_names), set(getattr(mesh, "manual_axes", mesh.axis_names))
+    except Exception:  # no mesh in context: nothing to tell the axes apart by
+        return True
+    return not names or all(a in manual for a in axes)
+
+
 @_distributed.in_program_order
-def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
-         prefer_lax: bool = False):
+def _run(what: str, x, n: int, forward, reference, *, axes: tuple[str, ...] = (),
+         elementwise: bool = True, linear: bool = True, prefer_lax: bool = False):
     """``forward(x)`` through the executor, or ``reference(x)`` (the ``lax`` expression it equals)
-    where the executor has nothing to do, cannot run, or ``prefer_lax``. ``forward`` is
-    differentiated as ``reference`` is.
+    where the executor has nothing to do, cannot run, ``prefer_lax``, or an axis is vmap-bound.
+
+    Differentiated in both modes as ``reference`` is: a ``custom_jvp`` whose tangent is
+    ``reference`` of the tangent where the collective is ``linear`` (sums, gathers, broadcasts;
+    ``jax.grad`` then transposes it as ``lax`` transposes its own), else ``reference``'s own jvp
+    (``lax.pmax`` / ``pmin``: jax's rule, or jax's error where it has none).
 
     Under ``vmap``: an ``elementwise`` collective (each output element depends on the same element
     of every rank only) runs once over the whole batch, a larger operand; the others run once per
     batch element (``lax.map``).
     """
-    if n == 1 or x.size == 0 or prefer_lax or not _executor_ready(_platform(), what, n):
+    if (n == 1 or x.size == 0 or prefer_lax or not _on_mesh(axes)
+            or not _executor_ready(_platform(), what, n)):
         return reference(x)
     batched = jax.custom_batching.custom_vmap(forward)
 
@@ -375,8 +391,14 @@ def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
         return (batched(v) if elementwise else lax.map(forward, v)), True
 
     def differentiable(fn):
-        f = jax.custom_vjp(fn)
-        f.defvjp(lambda v: (fn(v), v), lambda v, g: jax.vjp(reference, v)[1](g))
+        f = jax.custom_jvp(fn)
+
+        @f.defjvp
+        def _jvp(primals, tangents):
+            (v,), (t,) = primals, tangents
+            t_out = reference(t) if linear else jax.jvp(reference, (v,), (t,))[1]
+            return fn(v), t_out
+
         return f
 
     try:
@@ -416,7 +438,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
             np.array(hosts.sub_process, np.int32), hosts.local):
         # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
         # process only (CUDA IPC carries all_reduce alone).
-        return _run("all_reduce", x, n, None, lambda u: lax_fn(u, axes),
+        return _run("all_reduce", x, n, None, lambda u: lax_fn(u, axes), axes=axes,
                     prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
         def f(v):  # noqa: F811
@@ -425,7 +447,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
                 functools.partial(_collective_call, topology=topology, method=method),
                 _group_index(axes), lambda b: _replicated_type(b, axes))
 
-    return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes),
+    return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes), axes=axes, linear=op == "sum",
                 prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
 
 
@@ -447,7 +469,8 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
         return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
                                 method=method, result_type=out_type).reshape(v.shape)
 
-    return _run("broadcast", x, n, f, reference, prefer_lax=_across_hosts_to_lax("broadcast", axes))
+    return _run("broadcast", x, n, f, reference, axes=axes,
+                prefer_lax=_across_hosts_to_lax("broadcast", axes))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -473,7 +496,8 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    return _run("reduce", x, n, f, reference, prefer_lax=_across_hosts_to_lax("reduce", axes))
+    return _run("reduce", x, n, f, reference, axes=axes, linear=op == "sum",
+                prefer_lax=_across_hosts_to_lax("reduce", axes))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -503,7 +527,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _run("all_gather", x, n, f, reference, elementwise=False,
+    return _run("all_gather", x, n, f, reference, axes=axes, elementwise=False,
                 prefer_lax=_across_hosts_to_lax("all_gather", axes))
 
 
@@ -535,7 +559,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _run("reduce_scatter", x, n, f, reference, elementwise=False,
+    return _run("reduce_scatter", x, n, f, reference, axes=axes, elementwise=False,
                 prefer_lax=_across_hosts_to_lax("reduce_scatter", axes))
 
 

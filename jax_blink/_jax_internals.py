@@ -1,0 +1,149 @@
+"""Every piece of jax's internals that the switch (:mod:`jax_blink.switch`) touches, in one place.
+
+The switch replaces the lowering rules of jax's collective primitives, so it must name those
+primitives, read and restore the table of registered rules, and read the axis context that a rule
+sees. None of that is public API. Each use below says what it is and where it lives; checked
+against jax 0.10.2 and jax's main branch of 2026-08 (0.11.1.dev, the source of 0.11.x).
+``tests/test_switch.py::test_jax_internals_are_where_the_switch_expects`` fails loudly if one moves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# jax._src.lax.parallel: the primitives that lax.psum / pmax / pmin / all_gather / psum_scatter
+# bind (psum_invariant_p under shard_map's vma checks; all_gather_invariant_p for to="invariant").
+from jax._src.lax import parallel as _parallel
+# jax._src.interpreters.mlir: _lowerings (rules for every platform) and
+# _platform_specific_lowerings[platform] (rules that win over those) map a primitive to a
+# LoweringRuleEntry(rule, inline). Read to keep the rule that the switch replaces, written to put
+# it back (the public register_lowering can add a rule, not remove one).
+from jax._src.interpreters import mlir as _mlir_internal
+# jax._src.interpreters.pxla.axis_groups(axis_context, axes): the device ids (positions in the
+# mesh, as partition_id numbers them) of each group that a collective over `axes` spans; the
+# same replica groups that jax gives XLA's own collective.
+from jax._src.interpreters import pxla as _pxla
+# jax._src.pjit.jit_p: the primitive of a nested jax.jit call. Its lowering rule keeps the function
+# it emits in ModuleContext.cached_primitive_lowerings under a key whose first item is jit_p, and
+# calls it again from every call site of the same jaxpr.
+from jax._src import pjit as _pjit
+# jax._src.sharding_impls.SPMDAxisContext: the axis context of a shard_map body (and of pmap,
+# which jax runs as a shard_map): .mesh and .manual_axes.
+from jax._src import sharding_impls as _sharding_impls
+# jax._src.lib.mlir: the StableHLO builder, for the partition_id op (this device's position in
+# the mesh) that jax's own axis_index lowering uses.
+from jax._src.lib.mlir import ir as _ir
+from jax._src.lib.mlir.dialects import hlo as _hlo
+
+#: The primitives the switch lowers, by the name the switch uses for them.
+PRIMITIVES: dict[str, Any] = {
+    "psum": _parallel.psum_p,
+    "psum_invariant": _parallel.psum_invariant_p,
+    "pmax": _parallel.pmax_p,
+    "pmin": _parallel.pmin_p,
+    "all_gather": _parallel.all_gather_p,
+    "all_gather_invariant": _parallel.all_gather_invariant_p,
+    "reduce_scatter": _parallel.reduce_scatter_p,
+}
+
+
+JIT_PRIMITIVE = _pjit.jit_p
+
+
+def set_uncacheable(prim, uncacheable: bool) -> bool:
+    """Mark ``prim``'s lowering as one that jax must emit afresh at each equation (never a shared
+    function for equal equations); returns whether it was so marked before.
+    (mlir._uncacheable_primitives: register_lowering(cacheable=False) adds to it, nothing removes.)"""
+    table = _mlir_internal._uncacheable_primitives
+    was = prim in table
+    if uncacheable:
+        table.add(prim)
+    else:
+        table.discard(prim)
+    return was
+
+
+def forget_lowered_jit_functions(ctx) -> None:
+    """Drop the functions that nested jit calls emitted so far in this module, so that the next
+    call site lowers its own copy."""
+    cache = ctx.module_context.cached_primitive_lowerings
+    for key in [k for k in cache if type(k) is tuple and k and k[0] is JIT_PRIMITIVE]:
+        del cache[key]
+
+
+def registered_rule(prim, platform: str):
+    """The entry registered for ``prim`` on ``platform`` only (None if it has none there)."""
+    return _mlir_internal._platform_specific_lowerings[platform].get(prim)
+
+
+def generic_rule(prim):
+    """The entry registered for ``prim`` on every platform (None if none)."""
+    return _mlir_internal._lowerings.get(prim)
+
+
+def restore_rule(prim, platform: str, entry) -> None:
+    """Put back what :func:`registered_rule` returned (None: remove the platform's own rule)."""
+    table = _mlir_internal._platform_specific_lowerings[platform]
+    if entry is None:
+        table.pop(prim, None)
+    else:
+        table[prim] = entry
+
+
+def rule_of(entry):
+    """The lowering function inside a registered entry."""
+    return entry.rule
+
+
+def inline_of(entry) -> bool:
+    """Whether jax emits the entry's rule inline (False: as a function of its own)."""
+    return entry.inline
+
+
+def manual_mesh(ctx) -> tuple[tuple[str, ...], tuple[int, ...], frozenset] | None:
+    """(axis names, axis sizes, manual axes) of the mesh a rule is lowered in, or None when the
+    rule is not lowered inside a shard_map / pmap body."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
+        return None
+    mesh = axis_ctx.mesh
+    return tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), frozenset(axis_ctx.manual_axes)
+
+
+def device_groups(ctx, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of device ids (mesh positions) that a collective over ``axes`` spans, each in
+    rank order, as jax gives them to XLA's collective."""
+    return tuple(tuple(int(d) for d in g) for g in _pxla.axis_groups(ctx.module_context.axis_context, axes))
+
+
+def device_position(ctx):
+    """An int32 scalar: this device's position in the mesh (``partition_id``, as jax's own
+    ``axis_index`` lowering computes it inside a fully manual shard_map)."""
+    del ctx
+    i32 = _ir.RankedTensorType.get([], _ir.IntegerType.get_signless(32))
+    return _hlo.convert(i32, _hlo.partition_id())
+
+
+def after_last_call(value, target_prefix: str):
+    """``value`` made to depend on the result of the last custom call to a ``target_prefix*``
+    target emitted so far in the block being built (``value`` itself if there is none): an
+    ``optimization_barrier`` of both, which XLA keeps, so that XLA runs the calls of one block in
+    the order they were emitted, on every device. (The block is MLIR's insertion point.)"""
+    block = _ir.InsertionPoint.current.block
+    ops = block.operations
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.name != "stablehlo.custom_call":
+            continue
+        target = _ir.StringAttr(op.attributes["call_target_name"]).value
+        if target.startswith(target_prefix):
+            barrier = _hlo.OptimizationBarrierOp([value, op.results[0]])
+            return barrier.results[0]
+    return value
+
+
+def int32_scalar_aval():
+    """The abstract value of :func:`device_position` (plain, outside any mesh)."""
+    import jax
+    return jax.core.ShapedArray((), np.int32)

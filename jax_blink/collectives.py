@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, autotune, schedule as _schedule, tuning
+from . import _backends, chunk_cache, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
@@ -113,13 +113,13 @@ def _use_lax(n: int, nbytes: int) -> bool:
 
 def _chunk_bytes(collective: str, n: int, nbytes: int, dtype, device_kind: str | None = None):
     """The chunk of this call: ``config.chunk_bytes``, where that is ``"auto"`` the chunk tuned for
-    its class (:mod:`jax_blink.autotune`), else None (the schedule's default). Only reads the
+    its class (:mod:`jax_blink.chunk_cache`), else None (the schedule's default). Only reads the
     cache: a trace never times anything."""
     cb = config.chunk_bytes
     check_chunk_bytes(cb)
     if cb != AUTO:
         return cb
-    return autotune.lookup(device_kind or _device_kind(), n, collective, dtype, nbytes)
+    return chunk_cache.lookup(device_kind or _device_kind(), n, collective, dtype, nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -552,7 +552,7 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
     if config.chunk_bytes == AUTO:
         lines.append(f"chunk_bytes=auto: {f'tuned chunk of {chunk} bytes' if chunk else 'nothing tuned'} "
                      f"for {kind}, {n} ranks, {collective}, {jnp.dtype(dtype).name}, "
-                     f"size class {autotune.size_class(total * itemsize)}"
+                     f"size class {chunk_cache.size_class(total * itemsize)}"
                      + ("" if chunk else " (the schedule's default)"))
     lines.append(f"schedule: {len(sched.trees)} tree segments, chunks of {sched.chunk_elems} "
                  f"elements ({sched.chunk_elems * itemsize} bytes)")

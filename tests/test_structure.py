@@ -18,7 +18,7 @@ CALL_PATH = ("jax_blink", "jax_blink._backends", "jax_blink.topology", "jax_blin
              "jax_blink.chunk_cache")
 # Above it: they may import the call path, never the other way round.
 TOOLS = ("jax_blink.bench", "jax_blink.autotune", "jax_blink.demo", "jax_blink.draw",
-         "jax_blink.simulate", "jax_blink.__main__")
+         "jax_blink.simulate", "jax_blink.__main__", "jax_blink._cli")
 
 
 def _module_name(path: Path) -> str:
@@ -27,7 +27,8 @@ def _module_name(path: Path) -> str:
 
 def test_every_module_is_on_the_call_path_or_a_tool():
     modules = {_module_name(p) for p in PACKAGE.glob("*.py")}
-    assert modules == set(CALL_PATH) | set(TOOLS), "classify the new module in this test"
+    assert sorted(modules - set(CALL_PATH) - set(TOOLS)) == [], "classify the new module in this test"
+    assert set(CALL_PATH) <= modules and {"jax_blink.bench", "jax_blink.autotune"} <= modules
     assert not set(CALL_PATH) & set(TOOLS)
 
 
@@ -49,6 +50,7 @@ def _imported_package_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("module", CALL_PATH)
 def test_no_call_path_module_names_a_tool(module):
+    # Also imports inside functions: a lazy import of a tool would bring the circle back.
     path = PACKAGE / ("__init__.py" if module == "jax_blink" else f"{module.split('.')[1]}.py")
     assert sorted(_imported_package_modules(path) & set(TOOLS)) == []
 

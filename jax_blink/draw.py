@@ -176,6 +176,18 @@ def _bezier(p0, c, p2, t: float) -> tuple[float, float]:
 
 
 def _geometry(topology: Any) -> _Geometry:
+    key = (topology, topology.name)  # equal topologies may have different names, hence layouts
+    if key not in _GEOMETRIES:
+        if len(_GEOMETRIES) > 32:
+            _GEOMETRIES.clear()
+        _GEOMETRIES[key] = _make_geometry(topology)
+    return _GEOMETRIES[key]
+
+
+_GEOMETRIES: dict[tuple[Any, str], _Geometry] = {}
+
+
+def _make_geometry(topology: Any) -> _Geometry:
     pos = layout(topology)
     devs = list(topology.devices)
     pts = [pos[d] for d in devs]
@@ -214,20 +226,22 @@ def _geometry(topology: Any) -> _Geometry:
 
 def _clear_curve(p0, p2, others, clearance: float, centre) -> tuple[float, float]:
     """Control point of the flattest curve from ``p0`` to ``p2`` that keeps ``clearance`` from every
-    other device: straight if it can, else bent outward (away from ``centre``) or inward."""
+    other device: straight if it can, else bent outward (away from ``centre``) or inward; where
+    none is clear, the one that passes farthest from them."""
     mx, my = (p0[0] + p2[0]) / 2, (p0[1] + p2[1]) / 2
     dx, dy = p2[0] - p0[0], p2[1] - p0[1]
     nx_, ny_ = dy, -dx  # matplotlib's arc3 bends toward this side for rad > 0
     out = 1.0 if nx_ * (mx - centre[0]) + ny_ * (my - centre[1]) >= 0 else -1.0
-    best = (mx, my)
-    for rad in (0.0, 0.12, 0.2, 0.28, 0.36, 0.45, 0.55):
+    best, best_gap = (mx, my), -1.0
+    for rad in (0.0, 0.12, 0.2, 0.28, 0.36, 0.45, 0.55, 0.7, 0.85):
         for sign in ((out, -out) if rad else (1.0,)):
             c = (mx + sign * rad * nx_, my + sign * rad * ny_)
-            samples = [_bezier(p0, c, p2, i / 24) for i in range(1, 24)]
-            if all(math.dist(q, o) >= clearance for q in samples for o in others):
+            samples = [_bezier(p0, c, p2, i / 32) for i in range(1, 32)]
+            gap = min((math.dist(q, o) for q in samples for o in others), default=math.inf)
+            if gap >= clearance:
                 return c
-            if rad == 0.55 and sign == out:
-                best = c
+            if gap > best_gap + 1e-9:
+                best, best_gap = c, gap
     return best
 
 
@@ -295,7 +309,8 @@ def _draw_base(ax: Any, topology: Any, geom: _Geometry, scale: float, roots: set
     colour = LINK_COLOUR_MESH if full else LINK_COLOUR  # many links: lighter, or they hide the tree
     if full:
         lw1 *= 0.7
-    segs, widths, styles, placed = [], [], [], []
+    segs, widths, styles = [], [], []
+    placed: list[tuple[float, float, float, float]] = []
     for (a, b), (count, cab, cba, kinds) in _pair_links(topology).items():
         c = geom.control[(a, b)]
         p0, p2 = geom.pos[a], geom.pos[b]
@@ -303,15 +318,15 @@ def _draw_base(ax: Any, topology: Any, geom: _Geometry, scale: float, roots: set
         segs.append([p0, p2] if straight else [_bezier(p0, c, p2, i / 32) for i in range(33)])
         widths.append(lw1 * min(count, 4))
         styles.append((0, (3, 2)) if kinds in ("pcie", "host", "host/pcie") else "solid")
-        if labels:  # at the middle of the link, or off it where two links cross there
-            x, y = next((q for q in (_bezier(p0, c, p2, t) for t in (0.5, 0.3, 0.7, 0.2, 0.8))
-                         if all(math.dist(q, o) > 2.6 * geom.radius for o in placed)),
-                        _bezier(p0, c, p2, 0.5))
-            placed.append((x, y))
+        if labels:
             txt = f"{cab:g}" if cab == cba else f"{cab:g}/{cba:g}"
             if count > 1 and cab == cba:
                 txt = f"{count}\u00d7{cab / count:g}"
-            ax.text(x, y, txt, fontsize=min(max(0.65 * r_pt, 4), 9), color="0.35", ha="center", va="center",
+            fs = min(max(0.65 * r_pt, 4), 9)
+            half = (0.32 * fs * len(txt) / scale, 0.6 * fs / scale)  # the label's half size, layout units
+            x, y = _label_spot(geom, p0, c, p2, half, placed)
+            placed.append((x, y, *half))
+            ax.text(x, y, txt, fontsize=fs, color="0.35", ha="center", va="center", gid="link-label",
                     zorder=2, bbox=dict(boxstyle="round,pad=0.12", fc="white", ec="none", alpha=0.85))
     if segs:
         ax.add_collection(LineCollection(segs, colors=colour, linewidths=widths, linestyles=styles,
@@ -321,9 +336,23 @@ def _draw_base(ax: Any, topology: Any, geom: _Geometry, scale: float, roots: set
         root = d in roots
         ax.add_artist(Circle(geom.pos[d], geom.radius, fc=ROOT_COLOUR if root else NODE_COLOUR,
                              ec="0.15" if root else "0.35", lw=lw1 * (1.6 if root else 1.0), zorder=4,
-                             gid="device"))
-        ax.text(*geom.pos[d], str(d), fontsize=fs, ha="center", va="center", zorder=5,
+                             gid="root" if root else "device", label=str(d)))
+        ax.text(*geom.pos[d], str(d), fontsize=fs, ha="center", va="center", zorder=5, gid="device-label",
                 fontweight="bold" if root else "normal")
+
+
+def _label_spot(geom: _Geometry, p0, c, p2, half, placed) -> tuple[float, float]:
+    """A point on the link for its label: the middle, or off it where the middle is taken by
+    another label (two diagonals cross there) or a device."""
+    def free(q) -> bool:
+        clear_of_labels = all(abs(q[0] - x) > half[0] + hx or abs(q[1] - y) > half[1] + hy
+                              for x, y, hx, hy in placed)
+        clear_of_devices = all(abs(q[0] - d[0]) > half[0] + geom.radius or abs(q[1] - d[1]) > half[1] + geom.radius
+                               for d in geom.pos.values())
+        return clear_of_labels and clear_of_devices
+
+    spots = [_bezier(p0, c, p2, t) for t in (0.5, 0.38, 0.62, 0.3, 0.7, 0.24, 0.76)]
+    return next((q for q in spots if free(q)), spots[0])
 
 
 def _finish_axes(ax: Any, geom: _Geometry) -> None:
@@ -348,7 +377,7 @@ def _draw_tree(ax: Any, plan: Any, index: int, geom: _Geometry, scale: float) ->
         src, dst = (v, u) if toward_root else (u, v)
         ax.add_artist(FancyArrowPatch(path=_trimmed_path(geom, src, dst), arrowstyle="-|>",
                                       mutation_scale=head, color=TREE_COLOUR, lw=lw, zorder=3,
-                                      gid="tree-edge"))
+                                      gid="tree-edge", label=f"{src}->{dst}"))
     share = 100 * w / plan.rate if plan.rate > 0 else 0.0
     _fit_title(ax, f"tree {index}: root {root}\n{w:.4g} GB/s, {share:.3g}% of the data")
     _finish_axes(ax, geom)
@@ -371,32 +400,33 @@ def _topology_title(topology: Any) -> str:
     return f"{topology.name}: links, GB/s each way" + (f"\n({'; '.join(notes)})" if notes else "")
 
 
-def _fit_title(ax: Any, text: str) -> None:
+def _fit_title(ax: Any, text: str, largest: float = 9.0) -> None:
     """Set ``text`` as the panel's title, in a font that fits the panel's width."""
     w_in = ax.get_window_extent().width / _root(ax.figure).dpi
     longest = max(len(line) for line in text.splitlines())
-    fs = min(_title_fontsize(w_in), (w_in + _GAP_W) * 72 / (0.58 * longest))
+    fs = min(_title_fontsize(w_in), largest, (w_in + _GAP_W) * 72 / (0.58 * longest))
     ax.set_title(text, fontsize=fs, pad=2)
 
 
-def _topology_panel(ax: Any, topology: Any, geom: _Geometry, title: str | None = None) -> None:
+def _topology_panel(ax: Any, topology: Any, geom: _Geometry, title: str | None = None,
+                    largest: float = 9.0) -> None:
     scale = _points_per_unit(ax, geom)
     caps = {topology.capacity(u, v) for u, v in topology.simple_graph().edges}
     uniform = _is_full_mesh(topology) and len(caps) == 1  # the title gives the one rate
     _draw_base(ax, topology, geom, scale, set(), labels=not uniform and len(_pair_links(topology)) <= 40)
-    _fit_title(ax, _topology_title(topology) if title is None else title)
+    _fit_title(ax, _topology_title(topology) if title is None else title, largest)
     _finish_axes(ax, geom)
 
 
 # ---------------------------------------------------------------------- figures
 def _title_fontsize(panel_w: float) -> float:
     """Points for a panel title over a panel ``panel_w`` inches wide."""
-    return min(max(panel_w * 72 / 19, 4.0), 9.0)
+    return min(max(panel_w * 72 / 19, 4.0), 12.0)
 
 
 def _title_h(panel_w: float) -> float:
     """Inches above a panel for its two-line title."""
-    return (2.7 * _title_fontsize(panel_w) + 4) / 72
+    return (2.7 * min(_title_fontsize(panel_w), 9.0) + 4) / 72
 
 
 def _grid(k: int, aspect: float) -> tuple[int, int]:
@@ -556,11 +586,15 @@ def draw_topology(topology: Any, path: str | os.PathLike[str] | None = None, *, 
     geom = _geometry(topology)
     made = ax is None
     if made:
-        aspect = (geom.xlim[1] - geom.xlim[0]) / (geom.ylim[1] - geom.ylim[0])
-        w = min(max(4.0, 1.1 * math.sqrt(topology.n) * math.sqrt(aspect) * 2.2), 12.0)
-        fig = _new_figure((w, w / aspect + 0.6), interactive=out is None)
-        ax = fig.add_axes((0.02, 0.02, 0.96, 0.96 - 0.6 / (w / aspect + 0.6)))
-    _topology_panel(ax, topology, geom, title)
+        # Devices about 40 points across, within a sensible page.
+        per_unit = 20 / 72 / geom.radius
+        w = (geom.xlim[1] - geom.xlim[0]) * per_unit
+        h = (geom.ylim[1] - geom.ylim[0]) * per_unit
+        fit = min(1.0, _MAX_FIG_W / w, _MAX_FIG_H / h, 9.0 / max(w, h))
+        w, h = max(w * fit, 3.0), h * fit
+        fig = _new_figure((w, h + 0.5), interactive=out is None)
+        ax = fig.add_axes((0.0, 0.0, 1.0, h / (h + 0.5)))
+    _topology_panel(ax, topology, geom, title, largest=11.0)
     if out is not None:
         _save(ax.figure, out, made)
     return ax

@@ -52,9 +52,11 @@ def _check_timeout_s(value) -> float:
 
 
 def _check_chunk_bytes(value) -> int | str | None:
-    if value is None or value == AUTO:
+    if value is None:
         return value
     if isinstance(value, str):
+        if value == AUTO:
+            return value
         raise ValueError(f"chunk_bytes must be a whole number of bytes >= {_MIN_CHUNK_BYTES}, {AUTO!r} "
                          f"or None, {_got(value)} (a string other than {AUTO!r})")
     try:
@@ -128,6 +130,8 @@ class Options:
         object.__setattr__(self, name, check(value))
 
     def __getattr__(self, name: str):  # only called for names that are not options
+        if name.startswith("__"):  # copy, pickle and friends probing for hooks
+            raise AttributeError(name)
         raise _no_such_option(name)
 
     def validate(self) -> None:

@@ -49,6 +49,7 @@ BAD = [
     ("chunk_bytes", 4096.0, TypeError, "whole number of bytes"),
     ("chunk_bytes", True, TypeError, "whole number of bytes"),
     ("chunk_bytes", [4096], TypeError, "whole number of bytes"),
+    ("chunk_bytes", np.array([4096]), TypeError, "whole number of bytes"),
     ("dispatch", "fast", ValueError, "'auto', 'blink', 'lax'"),
     ("dispatch", "LAX", ValueError, "'auto', 'blink', 'lax'"),
     ("dispatch", None, TypeError, "'auto', 'blink', 'lax'"),

@@ -502,7 +502,7 @@ _FLOW = {
 
 
 def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any = None,
-              title: str | None = None) -> Any:
+              title: str | None = None, dpi: float = 110) -> Any:
     """Draw every tree of ``plan`` in its own panel; return the figure.
 
     The first panel shows the topology's links with their GB/s; then one panel per tree, in the
@@ -519,6 +519,7 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
         fig: a matplotlib ``Figure`` or ``SubFigure`` to draw into (its size is kept);
             default: a new figure sized for the number of panels.
         title: replaces the figure's title (the plan's rate, bound and NCCL-style rings).
+        dpi: dots per inch of a written raster picture (the figure's size is in inches).
 
     Raises:
         TypeError: ``plan`` is not a plan, or ``path`` not a file name.
@@ -529,6 +530,7 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
             raise TypeError(f"draw_plan() needs a jax_blink plan (jax_blink.plan(...)), got "
                             f"{type(plan).__name__} without .{attr}")
     out = check_path(path) if path is not None else None
+    _check_dpi(dpi)
     topo = plan.topology
     geom = _geometry(topo)
     aspect = (geom.xlim[1] - geom.xlim[0]) / (geom.ylim[1] - geom.ylim[0])
@@ -562,12 +564,12 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
     fs = min(12.0, max(7.0, fw * 72 / (0.56 * longest)))  # the longest line fits the width
     fig.suptitle(title, fontsize=fs, y=1 - 0.08 / fh, va="top")
     if out is not None:
-        _save(fig, out, made)
+        _save(fig, out, made, dpi)
     return fig
 
 
 def draw_topology(topology: Any, path: str | os.PathLike[str] | None = None, *, ax: Any = None,
-                  title: str | None = None) -> Any:
+                  title: str | None = None, dpi: float = 110) -> Any:
     """Draw ``topology``'s links on its layout: one line per linked pair, thicker for parallel
     links, dashed for PCIe/host, labelled with the GB/s each way (``2×25``: two links of 25);
     a uniform mesh (NVSwitch, host devices) says its per-pair rate in the title instead.
@@ -578,11 +580,13 @@ def draw_topology(topology: Any, path: str | os.PathLike[str] | None = None, *, 
         path: if given, write the picture there (see :func:`draw_plan`).
         ax: axes to draw into (default: a new figure).
         title: replaces the title.
+        dpi: dots per inch of a written raster picture.
     """
     for attr in ("devices", "simple_graph", "graph", "capacity"):
         if not hasattr(topology, attr):
             raise TypeError(f"draw_topology() needs a jax_blink.Topology, got {type(topology).__name__}")
     out = check_path(path) if path is not None else None
+    _check_dpi(dpi)
     geom = _geometry(topology)
     made = ax is None
     if made:
@@ -596,7 +600,7 @@ def draw_topology(topology: Any, path: str | os.PathLike[str] | None = None, *, 
         ax = fig.add_axes((0.0, 0.0, 1.0, h / (h + 0.5)))
     _topology_panel(ax, topology, geom, title, largest=11.0)
     if out is not None:
-        _save(ax.figure, out, made)
+        _save(ax.figure, out, made, dpi)
     return ax
 
 
@@ -615,9 +619,14 @@ def _figure_inches(fig: Any) -> tuple[float, float]:
     return fig.bbox.width / root.dpi, fig.bbox.height / root.dpi  # a SubFigure
 
 
-def _save(fig: Any, path: Path, made: bool) -> None:
+def _check_dpi(dpi: Any) -> None:
+    if isinstance(dpi, bool) or not isinstance(dpi, (int, float)) or not 10 <= dpi <= 1200:
+        raise ValueError(f"dpi must be a number from 10 to 1200, got {dpi!r}")
+
+
+def _save(fig: Any, path: Path, made: bool, dpi: float) -> None:
     root = _root(fig)
-    root.savefig(path, dpi=110, facecolor="white")
+    root.savefig(path, dpi=dpi, facecolor="white")
     if made and root.canvas.manager is not None:  # a pyplot figure we made: let pyplot forget it
         import matplotlib.pyplot as plt
 

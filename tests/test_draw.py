@@ -153,7 +153,10 @@ def test_bad_paths_are_refused_before_drawing(plans, tmp_path, path, error, word
     assert plt.get_fignums() == []
 
 
-def test_wrong_argument_types_are_named(plans):
+def test_wrong_argument_types_are_named(plans, tmp_path):
+    with pytest.raises(ValueError, match="dpi must be a number from 10 to 1200, got 0"):
+        draw.draw_plan(plans["host:8 allreduce"], tmp_path / "t.png", dpi=0)
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(TypeError, match="file name"):
         draw.draw_plan(plans["host:8 allreduce"], 42)
     with pytest.raises(TypeError, match="needs a jax_blink plan"):

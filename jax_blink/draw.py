@@ -80,12 +80,13 @@ def _formats() -> set[str]:
 # ---------------------------------------------------------------------- layout and geometry
 def layout(topology: Any) -> dict[int, tuple[float, float]]:
     """Device positions: the DGX-1 cube-mesh for DGX-1 presets and their subsets, a circle for
-    uniform meshes (NVSwitch, CPU host devices) and small topologies, Kamada-Kawai otherwise."""
+    uniform meshes (NVSwitch, CPU host devices), otherwise Kamada-Kawai or a circle, whichever
+    crosses fewer links."""
     devs = list(topology.devices)
     name = str(getattr(topology, "name", ""))
     if name.startswith("dgx1") and all(d in _CUBE for d in devs):
         return {d: _CUBE[d] for d in devs}
-    if len(devs) <= 5 or _is_full_mesh(topology):
+    if len(devs) <= 3 or _is_full_mesh(topology):
         return _circle(devs)
     und = nx.Graph(topology.simple_graph().to_undirected())
     circle = _circle(devs)
@@ -220,7 +221,7 @@ def _make_geometry(topology: Any) -> _Geometry:
             x, y = _bezier(pos[a], c, pos[b], t)
             xs.append(x)
             ys.append(y)
-    m = 1.35 * radius
+    m = 1.35 * radius if len(devs) > 1 else 3 * radius  # a lone device stays device-sized
     return _Geometry(pos, radius, control, (min(xs) - m, max(xs) + m), (min(ys) - m, max(ys) + m))
 
 
@@ -320,8 +321,9 @@ def _draw_base(ax: Any, topology: Any, geom: _Geometry, scale: float, roots: set
         styles.append((0, (3, 2)) if kinds in ("pcie", "host", "host/pcie") else "solid")
         if labels:
             txt = f"{cab:g}" if cab == cba else f"{cab:g}/{cba:g}"
-            if count > 1 and cab == cba:
-                txt = f"{count}\u00d7{cab / count:g}"
+            each = {d["capacity"] for e in ((a, b), (b, a)) for d in (topology.graph.get_edge_data(*e) or {}).values()}
+            if count > 1 and len(each) == 1:  # parallel links of one speed: say how many
+                txt = f"{count}\u00d7{each.pop():g}"
             fs = min(max(0.65 * r_pt, 4), 9)
             half = (0.32 * fs * len(txt) / scale, 0.6 * fs / scale)  # the label's half size, layout units
             x, y = _label_spot(geom, p0, c, p2, half, placed)
@@ -385,6 +387,8 @@ def _draw_tree(ax: Any, plan: Any, index: int, geom: _Geometry, scale: float) ->
 
 def _topology_title(topology: Any) -> str:
     links = _pair_links(topology)
+    if not links:
+        return f"{topology.name}: no links"
     caps = {c for _, c1, c2, _ in links.values() for c in (c1, c2)}
     if _is_full_mesh(topology) and len(caps) == 1:
         (cap,) = caps
@@ -397,6 +401,8 @@ def _topology_title(topology: Any) -> str:
         notes.append("thick: parallel links")
     if any(set(kinds.split("/")) & {"pcie", "host"} for _, _, _, kinds in links.values()):
         notes.append("dashed: PCIe/host")
+    if any(cab != cba for _, cab, cba, _ in links.values()):
+        notes.append("x/y: from the lower id / the higher")
     return f"{topology.name}: links, GB/s each way" + (f"\n({'; '.join(notes)})" if notes else "")
 
 
@@ -552,8 +558,10 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
         _draw_tree(ax, plan, i, geom, scale)
         ax.set_gid(f"tree-{i}")
 
+    name = {"allreduce": "all-reduce"}.get(plan.collective, plan.collective)
+    if title is None and topo.n == 1:
+        title = f"{topo.name} {name}: one device, nothing to move"
     if title is None:
-        name = {"allreduce": "all-reduce"}.get(plan.collective, plan.collective)
         ring = _ring_rate(plan)
         ring_s = f"; NCCL-style rings {ring:.4g}" if ring is not None else ""
         bound = float(getattr(plan, "bound", float("nan")))

@@ -223,3 +223,19 @@ def test_topology_picture_labels_each_pair_with_its_links_and_rate():
         assert sorted(int(t.get_text()) for t in ax.texts if t.get_gid() == "device-label") == list(range(16))
     finally:
         plt.close(ax.figure)
+
+
+def test_labels_of_mixed_parallel_and_one_way_links():
+    # 0-1: an NVLink of 25 and a PCIe link of 10 (one pair, 35 in all); 1-2: two NVLinks of 25;
+    # 2-3: PCIe, 10 one way and 5 the other; 0-3: one NVLink of 20.
+    links = [(0, 1, 25.0, "nvlink"), (0, 1, 10.0, "pcie"), (1, 2, 25.0, "nvlink"), (1, 2, 25.0, "nvlink"),
+             (0, 3, 20.0, "nvlink")]
+    both = [e for u, v, c, k in links for e in ((u, v, c, k), (v, u, c, k))]
+    topo = Topology(range(4), both + [(2, 3, 10.0, "pcie"), (3, 2, 5.0, "pcie")], name="mixed")
+    ax = draw.draw_topology(topo)
+    try:
+        assert sorted(t.get_text() for t in ax.texts if t.get_gid() == "link-label") == ["10/5", "20", "2\u00d725", "35"]
+        assert "x/y: from the lower id / the higher" in ax.get_title()
+        assert "dashed: PCIe/host" in ax.get_title()
+    finally:
+        plt.close(ax.figure)

@@ -21,7 +21,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ._cli import BYTE_COUNT, Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
+from ._cli import Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
 from ._cli import check_fits, input_file, whole_number
 
 PROG = "python -m jax_blink"
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the jax devices here; CPU host devices on a machine without GPUs)")
     pp.add_argument("--devices", default=None, type=_parse_devices,
                     help="the allocation: device ids such as 0,1,4 or 0-3 (default: all)")
-    pp.add_argument("--collective", default="allreduce", choices=["broadcast", "reduce", "allreduce"])
+    pp.add_argument("--collective", default="allreduce", choices=["broadcast", "reduce", "allreduce"],
+                    help="the collective to plan (default allreduce)")
     pp.add_argument("--root", type=whole_number(0), default=None,
                     help="root device id (default: the planner's choice)")
     pp.add_argument("--method", default="exact", choices=["exact", "mwu"],
@@ -228,15 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--pcie", action="store_true",
                     help="dgx1v/dgx1p: add PCIe links where there is no NVLink")
     pp.add_argument("--size", type=byte_count, default=500 << 20, metavar="BYTES",
-                    help=f"bytes per rank for the time model: {BYTE_COUNT} (default 500M)")
+                    help="bytes per rank for the time model: 65536, 512K, 16M, 1G (default 500M)")
     pp.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
                     help="draw the trees to this picture file (.png, .pdf, .svg, ...)")
     pp.set_defaults(func=cmd_plan)
 
     pd = sub.add_parser("demo", help="run jax_blink.all_reduce against lax.psum on the devices here")
     pd.add_argument("--size", type=byte_count, default=4 << 20, metavar="BYTES",
-                    help=f"bytes per rank: {BYTE_COUNT}; a whole number of elements (default 4M)")
-    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"])
+                    help="bytes per rank, a whole number of elements: 65536, 512K, 16M, 1G (default 4M)")
+    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"],
+                    help="element type (default float32)")
     pd.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
                     help="draw the all-reduce trees to this picture file (.png, .pdf, .svg, ...)")
     pd.set_defaults(func=cmd_demo)

@@ -19,7 +19,7 @@ from pathlib import Path
 from .options import parse_byte_count
 
 #: What a size option takes, said the same way by every tool.
-BYTE_COUNT = "a byte count per rank such as 65536, 512K, 16M or 1G (K, M, G: binary units)"
+BYTE_COUNT = "bytes per rank such as 65536, 512K, 16M or 1G (K, M, G: binary units)"
 N_HOST_DEVICES = 8
 
 

@@ -38,11 +38,11 @@ def _usage_error(capsys, rc, option, got=None):
 
 # (argv, the option the message names, the value it quotes, what it says the option takes)
 MAIN_CASES = [
-    (["plan", "--size", "-5"], "--size", "'-5'", "byte count"),
+    (["plan", "--size", "-5"], "--size", "'-5'", "bytes per rank"),
     (["plan", "--size", "1X"], "--size", "'1X'", "512K"),
     (["plan", "--size", "0"], "--size", "'0'", "at least 1"),
-    (["plan", "--size", "1e9"], "--size", "'1e9'", "byte count"),
-    (["plan", "--size", "64MiB"], "--size", "'64MiB'", "byte count"),
+    (["plan", "--size", "1e9"], "--size", "'1e9'", "bytes per rank"),
+    (["plan", "--size", "64MiB"], "--size", "'64MiB'", "bytes per rank"),
     (["plan", "--plot", MISSING_FOLDER], "--plot", MISSING_FOLDER, "does not exist"),
     (["plan", "--plot", "trees.xyz"], "--plot", "trees.xyz", ".png"),
     (["plan", "--plot", "."], "--plot", "'.'", "not a folder"),
@@ -67,8 +67,8 @@ MAIN_CASES = [
     (["plan", "--bogus"], "--bogus", None, "unrecognized"),
     (["demo", "--size", "1001"], "--size", "1001", "whole number of float32 elements"),
     (["demo", "--size", "2K", "--dtype", "bfloat16", "--size", "3"], "--size", "'3'", "bfloat16 elements"),
-    (["demo", "--size", "-4"], "--size", "'-4'", "byte count"),
-    (["demo", "--size", "4.5K"], "--size", "'4.5K'", "byte count"),
+    (["demo", "--size", "-4"], "--size", "'-4'", "bytes per rank"),
+    (["demo", "--size", "4.5K"], "--size", "'4.5K'", "bytes per rank"),
     (["demo", "--size", "512G"], "--size", "512G", "needs about"),  # more memory than any machine here
     (["demo", "--dtype", "complex64"], "--dtype", "'complex64'", "choose from"),
     (["demo", "--plot", "demo.nope"], "--plot", "demo.nope", ".png"),
@@ -100,7 +100,7 @@ def _bench_cases(tmp: Path):
         (["-b", "64K", "-e", "1K"], "-b/--begin", "64K", "<= -e/--end (1K)"),  # was a header and exit 0
         (["-b", "1X"], "-b/--begin", "'1X'", "such as 65536, 512K, 16M or 1G"),
         (["-b", "0"], "-b/--begin", "'0'", "at least 1"),
-        (["-e=-1K"], "-e/--end", "'-1K'", "byte count"),
+        (["-e=-1K"], "-e/--end", "'-1K'", "bytes per rank"),
         (["-e", "-1K"], "-e/--end", None, "expected one argument"),  # argparse: -1K reads as an option
         (["-e", "512G", "-c", "allgather"], "-e/--end", None, "needs about"),  # cannot fit anywhere here
         (["-d", "complex64"], "-d/--dtype", "'complex64'", "float32, bfloat16"),  # was a traceback
@@ -224,14 +224,17 @@ def test_plan_discover_default(capsys):
     assert expected in out
 
 
-def test_help_names_bytes_per_rank(capsys):
-    assert main(["plan", "--help"]) == 0
-    plan_help = capsys.readouterr().out
-    assert "--collective" in plan_help and "bytes per rank" in plan_help
-    assert main(["demo", "--help"]) == 0
-    assert "bytes per rank" in capsys.readouterr().out
-    assert bench.main(["--help"]) == 0
-    assert capsys.readouterr().out.count("bytes per rank") == 2  # -b and -e
+def test_help_says_sizes_are_bytes_per_rank(capsys):
+    def help_text(run, argv):
+        assert run(argv) == 0
+        return " ".join(capsys.readouterr().out.split())  # as one line, however argparse wraps it
+
+    plan_help = help_text(main, ["plan", "--help"])
+    assert "--collective" in plan_help and "--size BYTES bytes per rank for the time model" in plan_help
+    assert "--size BYTES bytes per rank, a whole number of elements" in help_text(main, ["demo", "--help"])
+    bench_help = help_text(bench.main, ["--help"])
+    assert "--begin BYTES smallest size, bytes per rank" in bench_help
+    assert "--end BYTES largest size, bytes per rank" in bench_help
 
 
 def test_subprocess_module(tmp_path):
@@ -270,9 +273,10 @@ def test_demo_runs_all_reduce_against_psum(tmp_path, capsys):
         assert "CUDA" not in out and "GPU" not in out
 
 
-def test_demo_size_takes_the_byte_grammar(capsys):
-    assert main(["demo", "--size", "2K", "--dtype", "bfloat16"]) == 0
-    assert "2048 bytes = 1024 x bfloat16 per rank" in capsys.readouterr().out
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_demo_size_takes_the_byte_grammar(dtype, capsys):
+    assert main(["demo", "--size", "2K", "--dtype", dtype]) == 0  # results agree within the dtype's rounding
+    assert f"2048 bytes = 1024 x {dtype} per rank" in capsys.readouterr().out
 
 
 def test_explain_describes_the_topology_devices_not_this_machine():

@@ -102,13 +102,15 @@ def _device_kind() -> str | None:
     return devices[0].device_kind if devices else None
 
 
-def _use_lax(n: int, nbytes: int) -> bool:
-    """Whether this call goes to XLA's own collective (``config.dispatch``, ``tuning``)."""
+def _use_lax(collective: str, n: int, x) -> bool:
+    """Whether this call of ``collective`` on operand ``x`` goes to XLA's own collective
+    (``config.dispatch``; with ``"auto"`` the measured table of :mod:`jax_blink.tuning`, which
+    counts the bytes of a rank's operand)."""
     if config.dispatch == "lax":
         return True
     if config.dispatch == "blink":
         return False
-    return tuning.prefer_lax(_device_kind(), n, nbytes)
+    return tuning.prefer_lax(_device_kind(), n, x.size * np.dtype(x.dtype).itemsize, collective=collective)
 
 
 def _chunk_bytes(collective: str, n: int, nbytes: int, dtype, device_kind: str | None = None):
@@ -207,6 +209,12 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The custom call.
 
+def _shared_memory(topology: Topology) -> bool:
+    """Whether every link of ``topology`` is shared host memory (CPU host devices)."""
+    return topology.graph.number_of_edges() > 0 and all(
+        d.get("kind") == "host" for _, _, d in topology.graph.edges(data=True))
+
+
 @functools.lru_cache(maxsize=256)
 def _program(topology: Topology, collective: str, root, total_elems: int, itemsize: int,
              chunk_bytes, method: str) -> np.ndarray:
@@ -222,6 +230,15 @@ def _program(topology: Topology, collective: str, root, total_elems: int, itemsi
         per = total_elems // n
         segments = []
         for k in range(n):
+            if _shared_memory(topology) and per:
+                # Host devices read each other's memory: segment k goes in one hop from (to) rank
+                # k. Trees that share out links model links that shared memory does not have,
+                # and the CPU executor must keep their hop-by-hop order of partial sums (measured:
+                # 8 ranks' reduce-scatter 2-3x slower through the planner's trees).
+                phases = _schedule.PHASE_BROADCAST if kind == "broadcast" else _schedule.PHASE_REDUCE
+                star = tuple(-1 if r == k else k for r in range(n))
+                segments.append(_schedule.TreeSegment(k, phases, k * per, per, star))
+                continue
             p = _plan(topology, kind, topology.devices[k], method=method)
             segments += _schedule.tree_segments(p, k * per, per, itemsize)
         sched = _schedule.make_schedule(n, total_elems, itemsize, segments, chunk_bytes=chunk_bytes)
@@ -266,7 +283,7 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
-                     topology=None, method="exact", result_type=None):
+                     topology=None, method="exact", result_type=None, in_place: bool = False):
     """One ``jax_blink_collective`` custom call over a flat operand."""
     config.validate()  # options set in code are checked here, when a call uses them
     n = _axis_size(axes)
@@ -277,25 +294,31 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     program = _program(topo, collective, root, int(flat.size), itemsize, chunk, method)
     share = _host_share(platform, topo, collective, root, method)
     rank = _axis_index(axes).astype(jnp.int32)
-    if result_type is None:
-        result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    if result_type is None or result_type.shape != flat.shape or result_type.dtype != flat.dtype:
+        raise AssertionError(f"the call's result type {result_type} must be the lax expression's type of "
+                             f"shape {flat.shape} and dtype {flat.dtype}")
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
     # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
     # that every rank runs, so the ranks still meet the same calls in the same order.
-    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
+    # in_place: the result takes the operand's buffer (where the operand is a temporary of the
+    # caller, XLA then needs no second one, and the executor copies nothing outside what moves).
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
+                            input_output_aliases={0: 0} if in_place else None)
     return call(flat, rank, _group_index(axes), program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(_next_comm_id()),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
                 host_share=np.float32(share))
 
 
-def _replicated_type(x, axes):
-    # Match lax.psum's result type under shard_map (invariant along the axis), in every jax
-    # version, by asking jax for it rather than building it by hand.
-    return jax.eval_shape(lambda v: lax.psum(v, axes), x)
+def _lax_type(lax_expr, flat):
+    """The type of ``lax_expr(flat)``, the ``lax`` expression a call computes: the custom call
+    declares it, so that under ``shard_map`` its result is invariant along the axis exactly where
+    lax's is (replicated: psum; varying: all_gather, psum_scatter, a reduce's non-roots) and
+    ``out_specs`` are checked as for lax. Asked of jax (every version) rather than built by hand."""
+    return jax.eval_shape(lax_expr, flat)
 
 
 def _run(what: str, x, n: int, forward, reference, *, elementwise: bool = True,
@@ -349,13 +372,15 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     n = _axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
 
-    def f(v):
-        out_type = _replicated_type(v.reshape(-1), axes)
-        return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
-                                method=method, result_type=out_type).reshape(v.shape)
+    def reference(v):
+        return lax_fn(v, axes)
 
-    return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes),
-                prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
+    def f(v):
+        flat = v.reshape(-1)
+        return _collective_call(flat, axes, "allreduce", op=op, topology=topology, method=method,
+                                result_type=_lax_type(reference, flat)).reshape(v.shape)
+
+    return _run("all_reduce", x, n, f, reference, prefer_lax=_use_lax("allreduce", n, x))
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -372,11 +397,11 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
 
 
     def f(v):
-        out_type = _replicated_type(v.reshape(-1), axes)
-        return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
-                                method=method, result_type=out_type).reshape(v.shape)
+        flat = v.reshape(-1)
+        return _collective_call(flat, axes, "broadcast", root=root, topology=topology,
+                                method=method, result_type=_lax_type(reference, flat)).reshape(v.shape)
 
-    return _run("broadcast", x, n, f, reference)
+    return _run("broadcast", x, n, f, reference, prefer_lax=_use_lax("broadcast", n, x))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -397,12 +422,13 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
 
 
     def f(v):
-        out = _collective_call(v.reshape(-1), axes, "reduce", op=op, root=root,
-                               topology=topology, method=method).reshape(v.shape)
+        flat = v.reshape(-1)
+        out = _collective_call(flat, axes, "reduce", op=op, root=root, topology=topology,
+                               method=method, result_type=_lax_type(reference, flat)).reshape(v.shape)
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
-    return _run("reduce", x, n, f, reference)
+    return _run("reduce", x, n, f, reference, prefer_lax=_use_lax("reduce", n, x))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -420,11 +446,14 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
 
 
     def f(v):
-        idx = _axis_index(axes)
-        buf = jnp.zeros((n, v.size), v.dtype)
-        buf = lax.dynamic_update_slice(buf, v.reshape(1, -1), (idx, 0)).reshape(-1)
+        # Rank k's segment k must hold its x; the executor reads no other segment of a rank's
+        # operand, so n copies of x serve (one fused write; zeros + dynamic_update_slice made XLA
+        # keep a copy of the zeros per chained call: 40 MiB of temporaries at 2 MiB per rank).
+        buf = jnp.broadcast_to(v.reshape(1, -1), (n, v.size)).reshape(-1)
+        # Declared as lax.all_gather's result (varying along the axis, as lax's is).
+        gathered = _lax_type(lambda u: lax.all_gather(u, axes, tiled=True), v.reshape(-1))
         out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
-                               result_type=_replicated_type(buf, axes))
+                               result_type=gathered, in_place=True)
         stacked = out.reshape((n,) + v.shape)
         if tiled:
             a = axis % v.ndim
@@ -432,7 +461,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
             return stacked.reshape(v.shape[:a] + (n * v.shape[a],) + v.shape[a + 1:])
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
-    return _run("all_gather", x, n, f, reference, elementwise=False)
+    return _run("all_gather", x, n, f, reference, elementwise=False,
+                prefer_lax=_use_lax("allgather", n, x))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -456,14 +486,19 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
     def f(v):
         blocks = jnp.moveaxis(v, d, 0)
         block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
-        out = _collective_call(blocks.reshape(-1), axes, "reducescatter", topology=topology,
-                               method=method)
+        flat = blocks.reshape(-1)
+        # Declared varying along the axis, as lax.psum_scatter's result (n blocks: the call's
+        # result holds every block, of which this rank keeps its own).
+        scattered = _lax_type(lambda u: jnp.tile(lax.psum_scatter(u, axes, tiled=True), n), flat)
+        out = _collective_call(flat, axes, "reducescatter", topology=topology, method=method,
+                               result_type=scattered, in_place=True)
         idx = _axis_index(axes)
         mine = lax.dynamic_slice_in_dim(out.reshape(n, -1), idx, 1, axis=0).reshape(block_shape)
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
-    return _run("reduce_scatter", x, n, f, reference, elementwise=False)
+    return _run("reduce_scatter", x, n, f, reference, elementwise=False,
+                prefer_lax=_use_lax("reducescatter", n, x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,13 +537,65 @@ def _gpu_kernel(n: int, nbytes: int) -> str:
     return "the trees below"
 
 
+def _topology_platform(topology: Topology) -> str:
+    """``"cpu"`` for a mesh of CPU host devices (its links are of kind ``"host"``), ``"gpu"`` for
+    any other (the presets, NVML discovery, NVLink/PCIe/switch graphs); a single device, which has
+    no links: the platform of this process's devices."""
+    kinds = set(topology.kinds())
+    if not kinds:
+        return _platform()
+    return "cpu" if kinds == {"host"} else "gpu"
+
+
+def _executor_line(platform: str, collective: str, n: int, nbytes: int) -> str:
+    """Which executor runs ``collective`` on ``n`` devices of ``platform``, and how."""
+    if platform == "cpu":
+        return (f"CPU executor: {nbytes} bytes per rank on {n} CPU host devices run through the trees "
+                "below (a thread per device, meeting its peers in this process)")
+    if collective == "allreduce":
+        return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}"
+    return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run through the trees below"
+
+
+_LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value)",
+             "reduce": "lax.psum", "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
+
+
+def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nbytes: int) -> str:
+    """What ``config.dispatch`` does with this call on ``n`` devices of ``kind`` (None: unknown)."""
+    lax_name = _LAX_NAME[collective]
+    if config.dispatch == "lax":
+        return f"dispatch=lax: {lax_name} runs every call instead of the executor"
+    if config.dispatch == "blink":
+        return "dispatch=blink: the executor runs every call, whatever jax_blink/tuning.py measured"
+    if kind is None:
+        devs = "GPUs" if platform == "gpu" else "CPU host devices"
+        return (f"dispatch=auto: the executor, unless jax_blink/tuning.py measured {lax_name} faster on "
+                f"these {devs}: name their kind with device_kind= (e.g. 'NVIDIA H200') to see its entry")
+    entry = tuning.entry(kind, n, collective)
+    if entry is None:
+        return f"dispatch=auto: the executor runs this call (jax_blink/tuning.py has no entry for {n} x {kind})"
+    if entry.prefers_lax(nbytes):
+        return (f"dispatch=auto: {lax_name} runs this call instead: it was measured faster on {n} x {kind} "
+                f"at this size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+    return (f"dispatch=auto: the executor runs this call, as the entry for {n} x {kind} says at this "
+            f"size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+
+
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
             dtype="float32", method: str = "exact", device_kind: str | None = None) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
-    data is split between them, in which chunks, and why (the plan's own explanation).
+    data is split between them, in which chunks, and why (the plan's own explanation); which
+    executor runs them on that topology's devices, and whether the dispatch table hands the call to
+    ``lax`` instead.
 
-    ``device_kind`` picks the tuned chunk that ``config.chunk_bytes = "auto"`` reads (default: the
-    kind of this process's default devices)."""
+    ``device_kind`` (e.g. ``"NVIDIA H200"``, ``"cpu"``) picks the dispatch table's entry and the
+    tuned chunk that ``config.chunk_bytes = "auto"`` reads. Default: the kind of this process's
+    devices when the topology is of their platform (CPU host devices: links of kind ``"host"``;
+    GPUs: any other), else none: a GPU preset explained on a machine without GPUs is not judged by
+    this machine's CPU measurements."""
+    if collective not in _LAX_NAME:
+        raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(_LAX_NAME)}")
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a whole number of {np.dtype(jnp.dtype(dtype)).name}")
@@ -535,23 +622,21 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                 + ("host channel and NVLink." if nbytes >= min_bytes else "NVLink only.")
                 + (f" JAX_BLINK_HOST_SHARE={os.environ['JAX_BLINK_HOST_SHARE']} overrides the share."
                    if os.environ.get("JAX_BLINK_HOST_SHARE") else ""))
-    kind = device_kind or _device_kind()
-    if collective == "allreduce":
-        lines.append(f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}; "
-                     "the CPU executor always runs the trees")
-        if config.dispatch == "lax":
-            lines.append("dispatch=lax: lax.psum runs every all_reduce instead")
-        elif config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes):
-            lines.append(f"dispatch=auto: lax.psum runs this call instead: it was measured faster on {n} x "
-                         f"{kind} at this size (jax_blink/tuning.py, from {', '.join(tuning.entry(kind, n).sources)})")
-    chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
+    platform = _topology_platform(topology)
+    kind = device_kind or (_device_kind() if platform == _platform() else None)
+    lines.append(_executor_line(platform, collective, n, nbytes))
+    lines.append(_dispatch_line(kind, platform, collective, n, nbytes))
+    # No device kind: no tuned chunk either (the cache is keyed by it), the schedule's default.
+    chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind) \
+        if kind is not None or config.chunk_bytes != AUTO else None
     prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,
                     chunk, method)
     sched = _schedule.decode(prog)
     if config.chunk_bytes == AUTO:
         lines.append(f"chunk_bytes=auto: {f'tuned chunk of {chunk} bytes' if chunk else 'nothing tuned'} "
-                     f"for {kind}, {n} ranks, {collective}, {jnp.dtype(dtype).name}, "
+                     f"for {kind or 'no device kind (pass device_kind=)'}, {n} ranks, {collective}, "
+                     f"{jnp.dtype(dtype).name}, "
                      f"size class {chunk_cache.size_class(total * itemsize)}"
                      + ("" if chunk else " (the schedule's default)"))
     lines.append(f"schedule: {len(sched.trees)} tree segments, chunks of {sched.chunk_elems} "

@@ -100,6 +100,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kDefaultTimeoutMs = 10000;
 constexpr int kReduce = 0, kBroadcast = 1;
+constexpr int kDone = -2;  // Call::Wait's tree for a peer's `done` word
 
 // ---------------------------------------------------------------------------------------------
 // Element types and the combining ops.
@@ -309,7 +310,8 @@ struct Slot {
   std::atomic<int> waiters{0};            // peers sleeping (or about to) on cv; changed under mu
   std::atomic<const void*> in{nullptr};   // this call's buffers (stored at entry, before any
   std::atomic<void*> out{nullptr};        // progress word of the call: its acquire publishes them)
-  std::atomic<int> readers{0};            // peers copying from `out` right now
+  std::atomic<int> readers{0};            // peers copying from its buffers right now
+  std::atomic<uint64_t> done{0};          // (g << 32 | 1) once this rank read all it reads in call g
   // Under Comm::mu:
   int64_t run_id = 0;     // launch of the current (or last) call
   uint32_t k = 0;         // calls of this comm in that launch so far
@@ -335,6 +337,7 @@ struct Comm {
   std::vector<int32_t> child_begin;  // children of r in tree t: child_list[child_begin[t*n+r] ..
   std::vector<int32_t> child_list;   //                                      child_begin[t*n+r+1])
   std::vector<std::pair<int64_t, int64_t>> gaps;  // (offset, len) outside every segment
+  std::vector<std::vector<int32_t>> readers_of;   // per rank: the peers that read its buffers
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<std::atomic<uint64_t>[]> progress;  // [(r * ntrees + t) * 2 + phase]
 
@@ -385,6 +388,22 @@ struct Comm {
       at = tv.seg_offset + tv.seg_len;
     }
     if (program.total_elems() > at) gaps.emplace_back(at, program.total_elems() - at);
+    // Who reads whose buffers (see RunSchedule): the parent reads a non-root's in a tree with a
+    // reduce phase, every non-root reads the root's in a tree with a broadcast phase.
+    readers_of.assign(nranks, {});
+    for (int t = 0; t < ntrees; ++t) {
+      const TreeView& tv = program.tree(t);
+      if (tv.num_chunks(program.chunk_elems()) == 0) continue;
+      for (int r = 0; r < nranks; ++r) {
+        if (r == tv.root) continue;
+        if (tv.phases & kPhaseReduce) readers_of[r].push_back(tv.parent[r]);
+        if (tv.phases & kPhaseBroadcast) readers_of[tv.root].push_back(r);
+      }
+    }
+    for (auto& v : readers_of) {
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+    }
     slots.reset(new Slot[nranks]);
     const size_t nwords = static_cast<size_t>(nranks) * ntrees * 2;
     progress.reset(new std::atomic<uint64_t>[nwords]);
@@ -473,8 +492,9 @@ class Call {
   }
 
   // Waits until `peer` has finished chunk `chunk` of (t, phase) in this call.
+  // t == kDone: until `peer` has read everything it reads in this call (chunk 0, phase unused).
   bool Wait(int peer, int t, int phase, int64_t chunk) {
-    std::atomic<uint64_t>& w = c_.word(peer, t, phase);
+    std::atomic<uint64_t>& w = t == kDone ? c_.slots[peer].done : c_.word(peer, t, phase);
     const uint64_t target = base() | static_cast<uint64_t>(chunk + 1);
     auto reached = [&] {
       const uint64_t v = w.load(std::memory_order_seq_cst);  // seq_cst: see Publish
@@ -499,9 +519,11 @@ class Call {
     char secs[32];
     std::snprintf(secs, sizeof secs, "%.1f",
                   std::chrono::duration<double>(Clock::now() - start).count());
-    error_ = Who() + " waited " + secs + " s for rank " + std::to_string(peer) + " in tree " +
-             std::to_string(t) + " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) +
-             "), " + CallName() + ". A rank did not join this collective (skipped under "
+    error_ = Who() + " waited " + secs + " s for rank " + std::to_string(peer) +
+             (t == kDone ? std::string(" to finish reading this rank's buffers")
+                         : " in tree " + std::to_string(t) + " chunk " + std::to_string(chunk) + " (" +
+                               PhaseName(phase) + ")") +
+             ", " + CallName() + ". A rank did not join this collective (skipped under "
              "lax.cond?) or a peer failed. ";
     code_ = ffi::ErrorCode::kDeadlineExceeded;
     std::lock_guard<std::mutex> g(c_.mu);
@@ -514,6 +536,16 @@ class Call {
               "reset for the next launch, which starts afresh.";
     c_.FailLocked(rec_, error_);
     return false;
+  }
+
+  // This rank has read everything it reads in this call.
+  void PublishDone() {
+    Slot& s = c_.slots[rank_];
+    s.done.store(base() | 1u, std::memory_order_seq_cst);
+    if (s.waiters.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> g(s.mu); }
+      s.cv.notify_all();
+    }
   }
 
   // Chunks of (t, phase) that `peer` has finished in this call (after a successful Wait on it).
@@ -559,7 +591,9 @@ class Call {
       failure = rec_.failure;
     }
     error_ = Who() + ": " + CallName() + " failed while this rank ";
-    if (t >= 0)
+    if (t == kDone)
+      error_ += "waited for rank " + std::to_string(peer) + " to finish reading its buffers";
+    else if (t >= 0)
       error_ += "waited for rank " + std::to_string(peer) + " in tree " + std::to_string(t) +
                 " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) + ")";
     else
@@ -591,14 +625,12 @@ ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, 
 // - A leaf's reduce result is its own `in`: its parent reads that `in` directly, so a leaf does not
 //   copy it to `out` first, and it publishes its reduce word as soon as it arrives.
 // Words that need only this rank's operand are published at entry, before any wait.
-// Who reads whose buffers, and when a rank may return: its parent reads a leaf's `in` and a
-// non-leaf's `out` during the reduce phase; every rank reads the root's `in` (broadcast-only) or
-// `out` during the broadcast phase. So a root waits at exit for every rank's last broadcast word;
-// in a reduce-only tree a non-root waits for its parent's last reduce word; in a tree with both
-// phases a non-root has waited for the root's last chunk, after its parent read it (the root
-// reduces a chunk only after its children did). Ranks write `out` only at indices whose readers
-// are done: a leaf's broadcast writes chunk c after the root published it, after the parent read
-// chunk c of the leaf's `in` (which may be its `out`, donated).
+// Who reads whose buffers: its parent reads a leaf's `in` and a non-leaf's `out` during the reduce
+// phase; every non-root reads the root's `in` (broadcast-only) or `out` during the broadcast
+// phase (Comm::readers_of). Ranks write `out` only at indices whose readers are done with them: a
+// non-root's broadcast writes chunk c after the root published it, which is after the parent read
+// chunk c of this rank's `in` or `out` (the root reduces a chunk after its children did), and `in`
+// may be `out` (donation). A rank returns after its readers said they are done (`done` words).
 bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
                  char* out) {
   const Program& p = c.program;
@@ -685,23 +717,16 @@ bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, c
           call.EndRead(from, 1);
           ch = upto;
         }
-        call.Publish(t, kBroadcast, nch);
       }
     }
   }
-  // Exit: nobody may still read this rank's buffers.
-  for (int t = 0; t < c.ntrees; ++t) {
-    const TreeView& tv = p.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    if (tv.root == rank) {
-      if (tv.phases & kPhaseBroadcast)
-        for (int r = 0; r < c.nranks; ++r)
-          if (r != rank && !call.Wait(r, t, kBroadcast, nch - 1)) return false;
-    } else if (!(tv.phases & kPhaseBroadcast)) {
-      if (!call.Wait(tv.parent[rank], t, kReduce, nch - 1)) return false;
-    }
-  }
+  // Exit: nobody may still read this rank's buffers. Every rank publishes `done` once it has read
+  // all it reads, and waits for the `done` of each peer that reads its own (Comm::readers_of). No
+  // deadlock: a rank publishes every word of its schedule before it reaches its exit, so every
+  // schedule finishes (the order argument above) and every rank publishes `done`.
+  call.PublishDone();
+  for (int32_t peer : c.readers_of[rank])
+    if (!call.Wait(peer, kDone, 0, 0)) return false;
   return true;
 }
 

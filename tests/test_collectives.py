@@ -489,8 +489,12 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="different machines"):
         tuning.derive([a, b])
     c = _bench_json(tmp_path / "broadcast-c.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
-    with pytest.raises(ValueError, match="not an all-reduce bench run"):  # by its name: no meta
-        tuning.derive([c])
+    assert tuning.derive([c]).collective == "broadcast"  # by its name: no collective in its meta
+    with pytest.raises(ValueError, match="different collectives"):
+        tuning.derive([a, c])
+    h = _bench_json(tmp_path / "alltoall-h.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
+    with pytest.raises(ValueError, match="a bench run of 'alltoall', not of a collective the table holds"):
+        tuning.derive([h])
     with pytest.raises(ValueError, match="not a readable bench result"):
         tuning.derive([str(tmp_path / "allreduce-missing.json")])
     (tmp_path / "allreduce-bad.json").write_text("{")
@@ -506,8 +510,8 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="had 3 wrong elements"):
         tuning.derive([str(tmp_path / "allreduce-f.json")])
     (tmp_path / "allreduce-g.json").write_text(json.dumps(dict(
-        meta=dict(device_kind="GPU X", n=2, collective="broadcast"), rows=[])))
-    with pytest.raises(ValueError, match=r"not an all-reduce bench run \(broadcast\)"):
+        meta=dict(device_kind="GPU X", n=2, collective="gather"), rows=[])))
+    with pytest.raises(ValueError, match=r"a bench run of 'gather'"):  # the meta decides, not the name
         tuning.derive([str(tmp_path / "allreduce-g.json")])
 
 

@@ -151,18 +151,23 @@ def picture_path(option: str, text: str) -> str:
 
 
 def output_folder(option: str, text: str) -> str:
-    """A folder for result files: made if missing, and written into once as a test."""
+    """A folder for result files: an existing folder we can write into, or one that can be made
+    there (its nearest existing parent is a folder we can write into; the tool makes it when it
+    writes, so that a run refused for another option leaves nothing behind)."""
     if not text.strip():
         raise bad(option, text, "takes a folder name")
     p = Path(text)
-    if p.exists() and not p.is_dir():
-        raise bad(option, text, "takes a folder; this is a file")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise bad(option, text, f"the folder cannot be made ({e.strerror or e}); choose another "
-                                "path") from None
-    _probe(option, p, text)
+    if p.exists():
+        if not p.is_dir():
+            raise bad(option, text, "takes a folder; this is a file")
+        _probe(option, p, text)
+        return text
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise bad(option, text, f"the folder cannot be made: {str(parent)!r} is a file")
+    _probe(option, parent, text)
     return text
 
 

@@ -525,7 +525,8 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
         fig: a matplotlib ``Figure`` or ``SubFigure`` to draw into (its size is kept);
             default: a new figure sized for the number of panels.
         title: replaces the figure's title (the plan's rate, bound and NCCL-style rings).
-        dpi: dots per inch of a written raster picture (the figure's size is in inches).
+        dpi: dots per inch of a written raster picture (the figure's size is in inches); raised
+            (up to 300) where many trees make the panels' titles smaller than 6 points.
 
     Raises:
         TypeError: ``plan`` is not a plan, or ``path`` not a file name.
@@ -572,7 +573,9 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
     fs = min(12.0, max(7.0, fw * 72 / (0.56 * longest)))  # the longest line fits the width
     fig.suptitle(title, fontsize=fs, y=1 - 0.08 / fh, va="top")
     if out is not None:
-        _save(fig, out, made, dpi)
+        # Many trees make small panels: more dots per inch keep their titles readable when zoomed.
+        smallest = min(ax.title.get_fontsize() for ax in axes)
+        _save(fig, out, made, dpi if smallest >= 6 else min(max(dpi, dpi * 6 / smallest), 300))
     return fig
 
 

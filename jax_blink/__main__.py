@@ -192,20 +192,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.size, args.dtype, args.plot)
 
 
+_LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value)", "reduce": "lax.psum",
+             "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
+
+
 def cmd_crossover(args: argparse.Namespace) -> int:
     from .tuning import derive
 
     c = derive(args.runs)  # an unreadable or unfit file: a ValueError naming it (exit 2)
-    print(f"# derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
+    lax_name = _LAX_NAME.get(c.collective, "lax")
+    print(f"# {c.collective}: derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
           "paste into jax_blink/tuning.py CROSSOVERS")
-    print(f"Crossover({c.device_kind!r}, {c.ranks}, {c.lax_ranges!r}, (")
-    for src in c.sources:
-        print(f"    {src!r},")
-    print("))")
+    print(c.as_code() + ",")
     for lo, hi in c.lax_ranges:
-        print(f"# lax.psum for {lo} <= bytes per rank" + (f" < {hi}" if hi is not None else ""))
+        print(f"# {lax_name} for {lo} <= bytes of a rank's operand" + (f" < {hi}" if hi is not None else ""))
     if not c.lax_ranges:
-        print("# no size goes to lax.psum: the executor won or tied somewhere at every size")
+        print(f"# no size goes to {lax_name}: the executor won or tied somewhere at every size")
     return 0
 
 
@@ -243,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw the all-reduce trees to this picture file (.png, .pdf, .svg, ...)")
     pd.set_defaults(func=cmd_demo)
 
-    pc = sub.add_parser("crossover", help="derive the psum dispatch entry (jax_blink/tuning.py) from bench runs")
+    pc = sub.add_parser("crossover", help="derive a dispatch entry (jax_blink/tuning.py) from bench runs")
     pc.add_argument("runs", nargs="+", metavar="JSON", type=lambda t: input_file("JSON", t, suffix=".json"),
-                    help="all-reduce bench results (python -m jax_blink.bench -o DIR) of one machine")
+                    help="bench results of one collective on one machine (python -m jax_blink.bench -o DIR "
+                         "writes them)")
     pc.set_defaults(func=cmd_crossover)
     return parser
 

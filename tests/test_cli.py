@@ -300,10 +300,11 @@ def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
     from jax_blink import tuning
 
     monkeypatch.chdir(ROOT)
-    entry = tuning.CROSSOVERS[0]
-    assert main(["crossover", *entry.sources]) == 0
-    out = capsys.readouterr().out
-    code = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
-    assert eval(code, {"Crossover": tuning.Crossover}) == entry  # noqa: S307 (our own output)
+    for entry in tuning.CROSSOVERS:  # every collective's and machine's
+        assert main(["crossover", *entry.sources]) == 0
+        out = capsys.readouterr().out
+        code = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
+        assert eval(code, {"Crossover": tuning.Crossover}) == (entry,)  # noqa: S307 (our own output)
+        assert out.startswith(f"# {entry.collective}: derived from")
     bad = "benchmarks/results/plan_time-cpu-2026-11-22.txt"
     _usage_error(capsys, main(["crossover", bad]), "JSON", bad)

@@ -480,6 +480,11 @@ def _check_run(a: argparse.Namespace) -> None:
     """The checks that take several options, or the devices, before anything runs."""
     if a.begin > a.end:
         raise _cli.bad("-b/--begin", _fmt_bytes(a.begin), f"takes a size <= -e/--end ({_fmt_bytes(a.end)})")
+    if a.out is None:  # options that only shape the files: without -o they would do nothing
+        for option, value in (("--kind", a.kind), ("--ceiling", a.ceiling)):
+            if value is not None:
+                raise _cli.UsageError(f"argument {option}: goes into the files that -o/--out writes "
+                                      f"(or, for --ceiling, the plot of --plot-only); give -o DIR too")
     if a.slope is not None and a.slope <= a.chain:
         raise _cli.bad("--slope", a.slope, f"takes a chain longer than -k/--chain ({a.chain})")
     wide = [d for d in a.dtype if d in _X64_DTYPES]

@@ -109,6 +109,8 @@ def _bench_cases(tmp: Path):
         (["--min-time", "-1"], "--min-time", "'-1'", ">= 0"),
         (["--min-time", "nan"], "--min-time", "'nan'", "finite"),
         (["--ceiling", "0"], "--ceiling", "'0'", "> 0"),
+        (["--ceiling", "364"], "--ceiling", None, "give -o DIR"),  # nothing to draw it into
+        (["--kind", "h200"], "--kind", None, "give -o DIR"),
         (["--ceiling", "inf"], "--ceiling", "'inf'", "finite"),
         (["-o", str(a_file)], "-o/--out", str(a_file), "folder"),
         (["-o", str(a_file / "sub")], "-o/--out", str(a_file / "sub"), "cannot be made"),

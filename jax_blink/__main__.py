@@ -192,11 +192,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.size, args.dtype, args.plot)
 
 
-_LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value)", "reduce": "lax.psum",
-             "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
-
-
 def cmd_crossover(args: argparse.Namespace) -> int:
+    from .collectives import _LAX_NAME
     from .tuning import derive
 
     c = derive(args.runs)  # an unreadable or unfit file: a ValueError naming it (exit 2)

@@ -185,14 +185,14 @@ def test_plan_allreduce_dgx1v_subset(capsys):
     assert re.search(r"trees [\d.]+ vs rings [\d.]+ GB/s algbw: [\d.]+x", out)
 
 
-@pytest.mark.parametrize("topology, collective", [("host:8", "allreduce"), ("dgx1v", "allreduce"),
+@pytest.mark.parametrize("topology, collective", [("discover", "allreduce"), ("dgx1v", "allreduce"),
                                                   ("dgx1v", "broadcast"), ("nvswitch:4", "reduce")])
 def test_plan_rates_are_one_unit_algbw(topology, collective, capsys):
     """Every rate the plan command prints is algbw per rank, and the numbers are the model's."""
     from jax_blink.treegen import plan
 
-    topo = Topology.host(8) if topology == "host:8" else Topology.preset(topology)
-    argv = ["plan", "--collective", collective] + ([] if topology == "host:8" else ["--topology", topology])
+    topo = Topology.discover(jax.devices()) if topology == "discover" else Topology.preset(topology)
+    argv = ["plan", "--collective", collective, "--topology", topology]
     root = None if collective == "allreduce" else 0
     assert main(argv + ([] if root is None else ["--root", "0"])) == 0
     out = capsys.readouterr().out
@@ -201,7 +201,7 @@ def test_plan_rates_are_one_unit_algbw(topology, collective, capsys):
     assert f"trees: {trees:.4g} GB/s algbw" in out
     assert f"= {rings:.4g} GB/s algbw" in out  # the rings line ends in the same unit
     assert f"trees {trees:.4g} vs rings {rings:.4g} GB/s algbw" in out
-    if topology == "host:8":  # on the CPU host mesh both reach 40: 70 GB/s of rings x 8/14
+    if topo.name == "host:8":  # 8 CPU host devices (conftest): both reach 40, 70 GB/s of rings x 8/14
         assert "rings of 70 GB/s in all" in out and "70 x 8/14 = 40 GB/s algbw" in out
         assert "GPU" not in out
 

@@ -168,8 +168,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tt, tc = best_time(p, args.collective, args.size)
         rt, _ = best_time(rp, args.collective, args.size)
         if tt > 0:
-            print(f"model at {_bytes(args.size)} bytes per rank: trees {tt:.1f} us (chunk {_bytes(int(tc or 0))}), "
-                  f"rings {rt:.1f} us: {rt / tt:.2f}x")
+            print(f"model at {_bytes(args.size)} bytes per rank: trees {tt:.1f} us "
+                  f"(chunk {_bytes(int(tc or 0))}), rings {rt:.1f} us: {rt / tt:.2f}x")
     print()
     print(p.explain())
     if args.plot:

@@ -469,9 +469,8 @@ def _check_plot_only(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None
     ref = "lax" if "lax_busbw" in columns else "psum"  # files written before the rename say psum
     missing = [c for c in _PLOT_COLUMNS + (f"{ref}_busbw", f"{ref}_time_us") if c not in columns]
     if missing or first is None:
-        raise _cli.bad("--plot-only", a.plot_only,
-                       "takes a CSV written by python -m jax_blink.bench -o DIR "
-                       + (f"(this one lacks the columns {', '.join(missing)})" if missing else "(this one has no rows)"))
+        why = f"this one lacks the columns {', '.join(missing)}" if missing else "this one has no rows"
+        raise _cli.bad("--plot-only", a.plot_only, f"takes a CSV written by {PROG} -o DIR ({why})")
     png = a.plot_only[:-4] + ".png"
     _cli.picture_path("--plot-only", png)
 

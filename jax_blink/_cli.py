@@ -39,12 +39,14 @@ def bad(option: str, value, takes: str) -> UsageError:
     return UsageError(f"argument {option}: got {value!r}; {takes}")
 
 
-def run_main(prog: str, body: Callable[[], int]) -> int:
-    """Run a tool's ``body``; a :class:`UsageError` (or a library ValueError about the input) becomes
-    one line on stderr and exit status 2; ``--help`` exits 0; output piped into ``head`` ends quietly."""
+def run_main(prog: str, body: Callable[[], int],
+             usage_errors: tuple[type[Exception], ...] = (UsageError, ValueError)) -> int:
+    """Run a tool's ``body``; a :class:`UsageError` (and by default a ValueError: the library says
+    what is wrong with the input that way) becomes one line on stderr and exit status 2; ``--help``
+    exits 0; output piped into ``head`` ends quietly."""
     try:
         return int(body() or 0)
-    except (UsageError, ValueError) as e:  # the library says what is wrong with a ValueError
+    except usage_errors as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

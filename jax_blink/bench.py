@@ -527,7 +527,8 @@ def main(argv=None) -> int:
             wrong += sum(r["wrong"] for r in rows)
         return 1 if wrong else 0
 
-    return _cli.run_main(PROG, body)
+    # Only the checks' errors are usage errors: a failure while measuring keeps its traceback.
+    return _cli.run_main(PROG, body, usage_errors=(_cli.UsageError,))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def run_main(prog: str, body: Callable[[], int],
     try:
         return int(body() or 0)
     except usage_errors as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, always
         return 2
     except BrokenPipeError:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stays open until exit)

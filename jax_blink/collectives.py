@@ -569,9 +569,9 @@ def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nby
     if config.dispatch == "blink":
         return "dispatch=blink: the executor runs every call, whatever jax_blink/tuning.py measured"
     if kind is None:
-        devs = "GPUs" if platform == "gpu" else "CPU host devices"
+        devs, example = ("GPUs", "'NVIDIA H200'") if platform == "gpu" else ("CPU host devices", "'cpu'")
         return (f"dispatch=auto: the executor, unless jax_blink/tuning.py measured {lax_name} faster on "
-                f"these {devs}: name their kind with device_kind= (e.g. 'NVIDIA H200') to see its entry")
+                f"these {devs}: name their kind with device_kind= (e.g. {example}) to see its entry")
     entry = tuning.entry(kind, n, collective)
     if entry is None:
         return f"dispatch=auto: the executor runs this call (jax_blink/tuning.py has no entry for {n} x {kind})"

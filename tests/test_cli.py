@@ -310,3 +310,37 @@ def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
         assert out.startswith(f"# {entry.collective}: derived from")
     bad = "benchmarks/results/plan_time-cpu-2026-11-22.txt"
     _usage_error(capsys, main(["crossover", bad]), "JSON", bad)
+
+
+class _FakeDevice:
+    """Stands in for a jax device of another platform (the GPU branches, checked without a GPU)."""
+
+    def __init__(self, platform, limit=None):
+        self.platform, self._limit = platform, limit
+
+    def memory_stats(self):
+        return None if self._limit is None else {"bytes_limit": self._limit, "bytes_in_use": 0}
+
+
+def test_memory_check_reads_a_gpu_limit_per_device():
+    from jax_blink import _cli
+
+    gpus = [_FakeDevice("gpu", 80 << 30)] * 2
+    assert _cli.available_memory(gpus) == (80 << 30, "memory of one device")
+    _cli.check_fits("--size", 1 << 30, gpus, 79 << 30)  # fits: no error
+    with pytest.raises(_cli.UsageError, match=r"argument --size: got '1G'; .*needs about 81G.* is 80G"):
+        _cli.check_fits("--size", 1 << 30, gpus, 81 << 30)
+    assert _cli.available_memory([_FakeDevice("gpu")]) == (None, "")  # no stats: nothing to check
+    _cli.check_fits("--size", 1 << 30, [_FakeDevice("gpu")], 1 << 60)
+
+
+def test_demo_names_the_executor_of_its_devices():
+    from jax_blink.demo import _executor_line, bytes_needed
+
+    assert "the CUDA executor" in _executor_line([_FakeDevice("gpu")], {"cpu": True, "gpu": True})
+    assert "not built" in _executor_line([_FakeDevice("gpu")], {"cpu": True, "gpu": False})
+    assert "the CPU executor" in _executor_line([_FakeDevice("cpu")], {"cpu": True, "gpu": False})
+    assert "falls back to lax" in _executor_line([_FakeDevice("tpu")], {"cpu": True, "gpu": True})
+    # GPUs: one device's share; CPU host devices share the host's memory: all of them
+    assert bytes_needed(1 << 20, "float32", [_FakeDevice("gpu")] * 8) == 5 << 20
+    assert bytes_needed(1 << 20, "float32", [_FakeDevice("cpu")] * 8) == 8 * (5 << 20) + 8 * 3 * (1 << 20)

@@ -375,7 +375,9 @@ def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> Non
 
 def _collectives_arg(text: str) -> list[str]:
     """'all' or comma-separated names -> the collectives to run, all-reduce first."""
-    names = list(COLLECTIVES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if "all" in names:
+        names = list(COLLECTIVES)
     unknown = [t for t in names if t not in COLLECTIVES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown collective {', '.join(unknown) or repr(text)}; "

@@ -31,6 +31,7 @@ def test_collectives_argument_runs_all_reduce_first():
 
     assert bench._collectives_arg("all")[0] == "allreduce"
     assert set(bench._collectives_arg("all")) == set(bench.COLLECTIVES)
+    assert bench._collectives_arg("reduce,all") == bench._collectives_arg("all")
     assert bench._collectives_arg("reduce, allreduce,reduce") == ["allreduce", "reduce"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown collective gather"):
         bench._collectives_arg("allreduce,gather")

@@ -208,8 +208,16 @@ def cmd_crossover(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXAMPLES = f"""examples:
+  {PROG} plan --topology dgx1v --devices 0,1,4 --plot trees.png
+  {PROG} demo --size 16M --dtype bfloat16
+  {PROG} COMMAND --help      (every size is bytes per rank: 65536, 512K, 16M, 1G)
+  {PROG}.bench --help        (our collectives against lax's, timed and checked)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.")
+    parser = Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.",
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 

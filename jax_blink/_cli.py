@@ -133,22 +133,19 @@ def _probe(option: str, folder: Path, what: str) -> None:
 
 
 def picture_path(option: str, text: str) -> str:
-    """A file to draw into: its folder exists and is writable, it is not a folder, and its suffix
-    names a format matplotlib writes. Checked before any work, so that a plot never fails last."""
+    """A file to draw into, checked before any work so that a plot never fails last: not a folder,
+    its folder exists, its suffix names a format matplotlib writes (:func:`jax_blink.draw.check_path`),
+    and a scratch file can be written there."""
+    from .draw import check_path
+
     p = Path(text)
     if not text.strip() or p.is_dir():
         raise bad(option, text, "takes a picture file name such as trees.png (not a folder)")
-    folder = p.parent
-    if not folder.is_dir():
-        raise bad(option, text, f"its folder {str(folder)!r} does not exist; create it first or "
-                                "choose another path")
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    if p.suffix.lstrip(".").lower() not in formats:
-        raise bad(option, text, "takes a picture file name ending in one of "
-                                + ", ".join("." + f for f in formats))
-    _probe(option, folder, text)
+    try:
+        check_path(p)
+    except (OSError, ValueError) as e:  # its message: "cannot write the picture ...: why; what to do"
+        raise bad(option, text, str(e).removeprefix(f"cannot write the picture {str(p)!r}: ")) from None
+    _probe(option, p.parent, text)
     return text
 
 

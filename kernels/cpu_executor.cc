@@ -7,22 +7,27 @@
 // Calls of one communicator are matched across ranks by (RunId, k): ffi::RunId is shared by every
 // device of one launch and differs between launches, and k counts this rank's calls of the comm
 // in that launch (a loop calls one call site many times). The first rank to arrive at a call gives
-// it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers)
-// and per tree two progress words, reduce and broadcast, each (g << 32 | chunks done). A rank
-// publishes a word only after it wrote the chunk into its `out`; a waiter needs the high half to
-// equal its own g, so words of another call never satisfy it. Peers read that `out` directly (one
-// process, host pointers are shared), as GPUs read a peer's buffer under peer access.
+// it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers, a
+// `done` word) and per tree two progress words, reduce and broadcast, each (g << 32 | chunks
+// done). A rank publishes a word only once the data it stands for is in place (in its `out`, or
+// its `in`, see RunSchedule); a waiter needs the high half to equal its own g, so words of another
+// call never satisfy it. Peers read those buffers directly (one process, host pointers are
+// shared), as GPUs read a peer's buffer under peer access; RunSchedule says which buffers whom.
 //
-// Waits take the watched rank's mutex and condition variable (no busy spinning: up to 32 host
-// devices share 2 cores); a publisher takes its own mutex to store the word and notifies only when
-// somebody waits. Every wait has its own deadline of timeout_ms.
+// Waits sleep on the watched rank's mutex and condition variable (no busy spinning: up to 32 host
+// devices share 2 cores); a publisher stores its word without a lock and takes the mutex to notify
+// only when somebody sleeps (Call::Publish). Every wait has its own deadline of timeout_ms.
 //
 // ## Order, and why it cannot deadlock
 // Every rank runs the same steps in the same order: trees in program order, in each tree all reduce
 // chunks, then all broadcast chunks; then its exit waits. Name a step by its key (t, phase, c),
 // ordered lexicographically with reduce < broadcast. A reduce step (r, t, R, c) waits only for the
-// children of r to finish their step (t, R, c); a broadcast step (r, t, B, c) waits only for the
-// parent of r to finish (t, B, c). An exit wait waits for a peer to finish one step of some key.
+// children of r to finish their step (t, R, c) (a leaf finishes all of them at entry); a
+// broadcast step (r, t, B, c) waits only for the root of t to finish (t, B, c), which the root
+// does within its step (t, R, c), or at entry in a broadcast-only tree: an earlier key, so these
+// waits never block a chain of ranks (read "parent" as "root" below, a chain of length one). Exit
+// waits come after a rank's last step and wait for peers to finish all theirs (`done`): once no
+// step waits forever, they end too.
 // Suppose all ranks of a call are present and some are blocked forever. Among the steps blocked
 // ranks wait for, take one with the smallest key K, waited for by rank a on peer b. b has not
 // finished K, and b runs steps in key order, so b is not past K; b is not finished, so it is
@@ -37,12 +42,11 @@
 //
 // ## When a rank may return
 // XLA may reuse a buffer once the call returns, so a rank returns only when no peer will read its
-// `out` any more: in a tree with a broadcast phase its children read it (the exit waits for each
-// child's last broadcast word; the parent's reduce reads are over by then, since the parent
-// broadcasts only after its whole reduce phase and this rank waited for that); in a reduce-only
-// tree its parent reads it (the exit waits for the parent's last reduce word). Nobody reads `in`,
-// so `in` may alias `out` (donation): each element of `out` is written from `in` and the children
-// at the same index only.
+// buffers any more: each rank publishes `done` after its last read of a peer, and waits for the
+// `done` of every peer that reads its own (Comm::readers_of: the parents in trees with a reduce
+// phase, every rank in trees it roots with a broadcast phase). `in` may alias `out` (donation):
+// each element of `out` is written from `in`, the children or the root at the same index only,
+// and only after the peers that read that element of `in` have read it (RunSchedule).
 //
 // ## Faults: deadlines, failure, and getting back to work
 // A wait past its deadline marks its call (the CallRec of (RunId, k)) failed, keeping the first

@@ -1,90 +1,78 @@
-"""Command line: ``python -m jax_blink plan ...`` (the main job), ``python -m jax_blink run
-SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch).
+"""Command line: ``python -m jax_blink plan ...`` (the main job), ``demo``, ``crossover``, and
+``python -m jax_blink run SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited:
+jax_blink.switch).
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
 
 prints the topology, the trees of the plan and their weights, the plan's rate against its cut
-bound and against NCCL's rings (:mod:`jax_blink.simulate`), and the plan's own explanation; with
-``--plot`` it draws the trees (:func:`jax_blink.draw.draw_plan`).
+bound and against NCCL's rings (:mod:`jax_blink.simulate`), all as algbw (GB/s per rank), and the
+plan's own explanation; with ``--plot`` it draws the trees (:func:`jax_blink.draw.draw_plan`).
 
 ``--topology`` takes a preset (``dgx1v``, ``dgx1p``, ``dgx2``, ``nvswitch:N``) or ``discover``
 (the default): the devices JAX sees. Without GPUs those are CPU host devices, a uniform mesh; this
-module asks XLA for 8 of them when nothing else was asked before JAX starts.
+module asks XLA for 8 of them when nothing else was asked before JAX starts. Every size option
+takes bytes per rank in one grammar: 65536, 512K, 16M, 1G.
 
-Bad input (unknown preset, a device list that does not parse or names unknown devices, ...) ends
-with one line on stderr and exit status 2.
+Every option is checked before any work starts: a bad value ends with one line on stderr that
+names the option, what it got and what it takes, and exit status 2 (:mod:`jax_blink._cli`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-_N_HOST_DEVICES = 8
+from ._cli import Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
+from ._cli import check_fits, input_file, whole_number
+
 PROG = "python -m jax_blink"
+_MAX_DEVICES = 128  # nvswitch:128 plans in about 50 s on one core; more would run for many minutes
+_DGX1 = ("dgx1v", "dgx1p")
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported as one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message + SystemExit
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
-def _ensure_host_devices() -> None:
-    """Ask XLA for several CPU host devices if JAX has not started yet and nobody asked already."""
-    # `python -m jax_blink` has imported jax already (the package imports it), but XLA reads its
-    # flags only when the first backend starts: that is what must not have happened yet.
-    if "jax" in sys.modules:
-        try:
-            from jax._src import xla_bridge
-            if xla_bridge.backends_are_initialized():
-                return
-        except (ImportError, AttributeError):
-            return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={_N_HOST_DEVICES}").strip()
-    os.environ.setdefault("PJRT_NPROC", "16")
+def _topology_arg(text: str) -> str:
+    """--topology: a preset name or ``discover``, checked before any work (nvswitch:N, 2 <= N <= 128)."""
+    key = text.strip().lower()
+    if key in ("discover", "dgx2") + _DGX1:
+        return key
+    if key.startswith("nvswitch:"):
+        n = key.partition(":")[2]
+        if n.isdigit() and 2 <= int(n) <= _MAX_DEVICES:
+            return key
+    raise argparse.ArgumentTypeError(f"got {text!r}; takes dgx1v, dgx1p, dgx2, nvswitch:N "
+                                     f"(2 <= N <= {_MAX_DEVICES}) or discover")
 
 
 def _parse_devices(text: str | None) -> list[int] | None:
+    """--devices: ids such as 0,1,4 or 0-3 (ranges inclusive), each once; None: all devices."""
     if text is None or text.strip() == "":
         return None
+    takes = "takes device ids such as 0,1,4 or 0-3, each id once"
     out = []
     for part in text.split(","):
         part = part.strip()
-        if "-" in part[1:]:  # a range like 0-3
-            a, _, b = part.partition("-")
-            try:
-                lo, hi = int(a), int(b)
-            except ValueError:
-                raise UsageError(f"--devices: cannot read {part!r}; write ids like 0,1,4 or 0-3") from None
-            if hi < lo:
-                raise UsageError(f"--devices: empty range {part!r}")
-            out.extend(range(lo, hi + 1))
-            continue
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise UsageError(f"--devices: cannot read {part!r}; write ids like 0,1,4 or 0-3") from None
-    if any(d < 0 for d in out):
-        raise UsageError(f"--devices: ids must be >= 0, got {text!r}")
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (not dash or hi.isdigit())):  # also refuses negative ids
+            raise bad("--devices", text, takes)
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first or last - first >= _MAX_DEVICES:
+            raise bad("--devices", text, f"{takes}; {part!r} is not a range of 1 to {_MAX_DEVICES} ids")
+        out.extend(range(first, last + 1))
     if len(set(out)) != len(out):
-        raise UsageError(f"--devices: an id appears twice in {text!r}")
+        raise bad("--devices", text, f"{takes} (an id appears twice)")
+    if len(out) > _MAX_DEVICES:
+        raise bad("--devices", text, f"{takes}, at most {_MAX_DEVICES} of them")
     return out
 
 
 def _topology(name: str, devices: list[int] | None, pcie: bool):
     from .topology import Topology
 
+    if pcie and name not in _DGX1:
+        raise UsageError(f"argument --pcie: applies to the DGX-1 presets ({', '.join(_DGX1)}), "
+                         f"not to --topology {name}")
     if name == "discover":
-        if pcie:
-            raise UsageError("--pcie applies to the dgx1v/dgx1p presets, not to discover")
         import jax
 
         all_devs = jax.devices()
@@ -92,19 +80,19 @@ def _topology(name: str, devices: list[int] | None, pcie: bool):
             by_id = {d.id: d for d in all_devs}
             missing = [i for i in devices if i not in by_id]
             if missing:
-                raise UsageError(f"--devices: no jax device with id {missing}; "
-                                 f"this machine has ids {sorted(by_id)}")
+                raise bad("--devices", ",".join(map(str, devices)),
+                          f"takes ids of the devices here, {sorted(by_id)}; no device has id "
+                          f"{', '.join(map(str, missing))}")
             all_devs = [by_id[i] for i in devices]
         return Topology.discover(all_devs)
-    try:
-        topo = Topology.preset(name, pcie=pcie)
-    except ValueError as e:
-        raise UsageError(f"--topology: {e}") from None
+    topo = Topology.preset(name, pcie=pcie)
     if devices is not None:
-        try:
-            topo = topo.subset(devices)
-        except ValueError as e:
-            raise UsageError(f"--devices: {e}") from None
+        unknown = [d for d in devices if d not in topo.devices]
+        if unknown:
+            raise bad("--devices", ",".join(map(str, devices)),
+                      f"takes ids of {name}'s devices, {list(topo.devices)}; no device has id "
+                      f"{', '.join(map(str, unknown))}")
+        topo = topo.subset(devices)
     return topo
 
 
@@ -118,36 +106,37 @@ def _format_tree(tree, weight: float, i: int) -> str:
     return f"  tree {i}: root {root}, {weight:.4g} GB/s: " + ", ".join(f"{u}->{v}" for u, v in edges)
 
 
-def _size(text: str) -> float:
-    units = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "b": 1}
-    t = text.strip().lower()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u) and t[: -len(u)].strip():
-            try:
-                return float(t[: -len(u)]) * units[u]
-            except ValueError:
-                break
-    try:
-        return float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; e.g. 500M, 64KiB, 1e9") from None
+def _bytes(nbytes: int) -> str:
+    """``nbytes`` as the size grammar writes it where it can (64M, 512K), else the plain count."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+# What the plan command prints as a rate: every GB/s figure in it is this unit.
+_ALGBW = "algbw: GB/s per rank, the bytes of one rank's buffer / time (nccl-tests' definition)"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand."""
-    devices = _parse_devices(args.devices)
-    topo = _topology(args.topology, devices, args.pcie)
+    topo = _topology(args.topology, args.devices, args.pcie)
     from .simulate import algbw, best_time, rings
     from .treegen import plan as make_plan
 
     if args.root is not None and args.root not in topo.devices:
-        raise UsageError(f"--root {args.root} is not one of the devices {list(topo.devices)}")
+        raise bad("--root", args.root, f"takes one of the devices {list(topo.devices)}")
     try:
         p = make_plan(topo, args.collective, args.root, method=args.method)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except ValueError as e:  # e.g. an allocation whose links hold no tree
+        hint = " On the command line: add --pcie." if args.topology in _DGX1 and not args.pcie else ""
+        raise UsageError(f"{e}{hint}") from None
+    if args.plot:  # the picture is part of the work: drawn before anything is printed
+        from .draw import draw_plan
 
-    print(topo.describe() if hasattr(topo, "describe") else repr(topo))
+        draw_plan(p, path=args.plot)
+
+    print(topo.describe())
     print()
     root = getattr(p, "root", None)
     if root is None:
@@ -155,88 +144,118 @@ def cmd_plan(args: argparse.Namespace) -> int:
         where = f"roots {','.join(map(str, roots))}" if roots else "root chosen by the planner"
     else:
         where = f"root {root}"
-    print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s)")
+    print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s), "
+          "each with its share of the algbw")
     for i, (tree, w) in enumerate(p.trees):
         print(_format_tree(tree, w, i))
     if topo.n == 1:
         print("one device: nothing to move")
-        return 0
-    bound = float(p.bound)
-    frac = f" ({100 * p.rate / bound:.1f}% of it)" if bound > 0 else ""
-    print(f"rate {p.rate:.4g} GB/s; cut bound {bound:.4g} GB/s{frac}")
-
-    rp = rings(topo)
-    ra, ta = algbw(rp, args.collective), algbw(p, args.collective)
-    print()
-    print(f"NCCL-style rings: {rp.describe()}")
-    unit = "algbw, GB/s of data per device" if args.collective == "allreduce" else "GB/s"
-    print(f"trees {ta:.4g} vs rings {ra:.4g} ({unit}): {ta / ra:.2f}x" if ra > 0 else "")
-    tt, tc = best_time(p, args.collective, args.size)
-    rt, _ = best_time(rp, args.collective, args.size)
-    if tt > 0:
-        print(f"model at {args.size / 1e6:g} MB: trees {tt:.1f} us (chunk {int(tc or 0)} B), "
-              f"rings {rt:.1f} us: {rt / tt:.2f}x")
-    if hasattr(p, "explain"):
+    else:
+        bound = float(p.bound)
+        frac = f" ({100 * p.rate / bound:.1f}% of it)" if bound > 0 else ""
+        print(f"trees: {p.rate:.4g} GB/s algbw (the sum of the tree weights); cut bound {bound:.4g} GB/s{frac}")
+        rp = rings(topo)
+        ra, ta = algbw(rp, args.collective), algbw(p, args.collective)
         print()
-        print(p.explain())
+        n = topo.n
+        how = (f"rings of {rp.rate:g} GB/s in all, and an all-reduce sends 2(n-1)/n of the data around "
+               f"them: {rp.rate:g} x {n}/{2 * (n - 1)} = {ra:.4g} GB/s algbw" if args.collective == "allreduce"
+               else f"rings of {ra:.4g} GB/s in all = {ra:.4g} GB/s algbw")
+        print(f"NCCL-style rings: {rp.num_rings} {rp.kind} ring(s) on {rp.topology.name}"
+              + (f" ({rp.note})" if rp.note else "") + f"; {how}")
+        for r, b in zip(rp.rings, rp.rates):
+            print(f"  {' -> '.join(map(str, r))} -> {r[0]}: {b:g} GB/s")
+        print(f"trees {ta:.4g} vs rings {ra:.4g} GB/s algbw: {ta / ra:.2f}x" if ra > 0 else "")
+        print(f"({_ALGBW}; in the model, at large sizes)")
+        tt, tc = best_time(p, args.collective, args.size)
+        rt, _ = best_time(rp, args.collective, args.size)
+        if tt > 0:
+            print(f"model at {_bytes(args.size)} bytes per rank: trees {tt:.1f} us "
+                  f"(chunk {_bytes(int(tc or 0))}), rings {rt:.1f} us: {rt / tt:.2f}x")
+    print()
+    print(p.explain())
     if args.plot:
-        from .draw import draw_plan
-
-        draw_plan(p, path=args.plot)
         print(f"\ntrees drawn to {args.plot}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    import jax
+    import numpy as np
 
+    from .demo import run_demo, bytes_needed
+
+    itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
+    if args.size % itemsize:
+        raise bad("--size", _bytes(args.size), f"takes a whole number of {args.dtype} elements "
+                                               f"({itemsize} bytes each) per rank")
+    devices = jax.devices()
+    check_fits("--size", args.size, devices, bytes_needed(args.size, args.dtype, devices))
     return run_demo(args.size, args.dtype, args.plot)
 
 
 def cmd_crossover(args: argparse.Namespace) -> int:
+    from .collectives import _LAX_NAME
     from .tuning import derive
 
-    c = derive(args.runs)
-    print(f"# derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
+    c = derive(args.runs)  # an unreadable or unfit file: a ValueError naming it (exit 2)
+    lax_name = _LAX_NAME.get(c.collective, "lax")
+    print(f"# {c.collective}: derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
           "paste into jax_blink/tuning.py CROSSOVERS")
-    print(f"Crossover({c.device_kind!r}, {c.ranks}, {c.lax_ranges!r}, (")
-    for src in c.sources:
-        print(f"    {src!r},")
-    print("))")
+    print(c.as_code() + ",")
     for lo, hi in c.lax_ranges:
-        print(f"# lax.psum for {lo} <= bytes per rank" + (f" < {hi}" if hi is not None else ""))
+        print(f"# {lax_name} for {lo} <= bytes of a rank's operand" + (f" < {hi}" if hi is not None else ""))
     if not c.lax_ranges:
-        print("# no size goes to lax.psum: the executor won or tied somewhere at every size")
+        print(f"# no size goes to {lax_name}: the executor won or tied somewhere at every size")
     return 0
 
 
+_EXAMPLES = f"""examples:
+  {PROG} plan --topology dgx1v --devices 0,1,4 --plot trees.png
+  {PROG} demo --size 16M --dtype bfloat16
+  {PROG} COMMAND --help      (every size is bytes per rank: 65536, 512K, 16M, 1G)
+  {PROG}.bench --help        (our collectives against lax's, timed and checked)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.",
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     pp = sub.add_parser("plan", help="plan trees for a collective on a topology, compare with rings")
-    pp.add_argument("--topology", default="discover",
-                    help="dgx1v, dgx1p, dgx2, nvswitch:N or discover (default: the jax devices here)")
-    pp.add_argument("--devices", default=None,
+    pp.add_argument("--topology", default="discover", type=_topology_arg,
+                    help=f"dgx1v, dgx1p, dgx2, nvswitch:N (2 <= N <= {_MAX_DEVICES}) or discover "
+                         "(default: the jax devices here; CPU host devices on a machine without GPUs)")
+    pp.add_argument("--devices", default=None, type=_parse_devices,
                     help="the allocation: device ids such as 0,1,4 or 0-3 (default: all)")
-    pp.add_argument("--collective", default="allreduce", choices=["broadcast", "reduce", "allreduce"])
-    pp.add_argument("--root", type=int, default=None, help="root device id (default: the planner's choice)")
-    pp.add_argument("--method", default="exact", choices=["exact", "mwu"])
-    pp.add_argument("--pcie", action="store_true", help="DGX-1 presets: add PCIe links where there is no NVLink")
-    pp.add_argument("--size", type=_size, default=500e6, help="bytes per device for the model (default 500M)")
-    pp.add_argument("--plot", default=None, metavar="PNG", help="draw the trees to this file")
+    pp.add_argument("--collective", default="allreduce", choices=["broadcast", "reduce", "allreduce"],
+                    help="the collective to plan (default allreduce)")
+    pp.add_argument("--root", type=whole_number(0), default=None,
+                    help="root device id (default: the planner's choice)")
+    pp.add_argument("--method", default="exact", choices=["exact", "mwu"],
+                    help="exact: LP and integer program (OR-Tools); mwu: the paper's fast approximation")
+    pp.add_argument("--pcie", action="store_true",
+                    help="dgx1v/dgx1p: add PCIe links where there is no NVLink")
+    pp.add_argument("--size", type=byte_count, default=500 << 20, metavar="BYTES",
+                    help="bytes per rank for the time model: 65536, 512K, 16M, 1G (default 500M)")
+    pp.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
+                    help="draw the trees to this picture file (.png, .pdf, .svg, ...)")
     pp.set_defaults(func=cmd_plan)
 
     pd = sub.add_parser("demo", help="run jax_blink.all_reduce against lax.psum on the devices here")
-    pd.add_argument("--size", type=int, default=1 << 20, help="elements per device (default 1048576)")
-    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"])
-    pd.add_argument("--plot", default=None, metavar="PNG", help="draw the all-reduce trees to this file")
+    pd.add_argument("--size", type=byte_count, default=4 << 20, metavar="BYTES",
+                    help="bytes per rank, a whole number of elements: 65536, 512K, 16M, 1G (default 4M)")
+    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"],
+                    help="element type (default float32)")
+    pd.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
+                    help="draw the all-reduce trees to this picture file (.png, .pdf, .svg, ...)")
     pd.set_defaults(func=cmd_demo)
 
-    pc = sub.add_parser("crossover", help="derive the psum dispatch entry (jax_blink/tuning.py) from bench runs")
-    pc.add_argument("runs", nargs="+", metavar="JSON",
-                    help="all-reduce bench results (python -m jax_blink.bench -o DIR) of one machine")
+    pc = sub.add_parser("crossover", help="derive a dispatch entry (jax_blink/tuning.py) from bench runs")
+    pc.add_argument("runs", nargs="+", metavar="JSON", type=lambda t: input_file("JSON", t, suffix=".json"),
+                    help="bench results of one collective on one machine (python -m jax_blink.bench -o DIR "
+                         "writes them)")
     pc.set_defaults(func=cmd_crossover)
 
     # Handled by main() before parsing (its arguments belong to the script); listed for --help.
@@ -246,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 2 bad input)."""
+    """Run the command line; return the exit status (0 ok, 1 demo results differ, 2 bad input; run: the script's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         # `run SCRIPT.py [ARGS...]`: the script as `python SCRIPT.py ARGS...` runs it, with the
@@ -254,19 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # its exit status and exceptions pass through.
         from .switch import run_script
         return run_script(argv[1:])
-    _ensure_host_devices()
+    ensure_host_devices()
     parser = build_parser()
-    try:
+
+    def body() -> int:
         args = parser.parse_args(argv)
-        return int(args.func(args) or 0)
-    except (UsageError, ValueError) as e:  # the library says what is wrong with a ValueError
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # output piped into `head`
-        sys.stdout = open(os.devnull, "w")
-        return 0
-    except SystemExit as e:  # --help
-        return int(e.code or 0) if not isinstance(e.code, str) else 2
+        return args.func(args)
+
+    return run_main(PROG, body)
 
 
 if __name__ == "__main__":

@@ -37,11 +37,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import autotune, collectives
+from . import _cli, autotune, collectives
 from .options import config, override, parse_byte_count
 from .schedule import DEFAULT_CHUNK_BYTES
 
 _TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3, "float64": 1e-12}
+#: The dtypes the bench runs (those jax_blink's collectives take); the 64-bit ones need JAX's x64 mode.
+DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64")
+_X64_DTYPES = ("float64", "int64")
+PROG = "python -m jax_blink.bench"
 
 
 def parse_size(text: str) -> int:
@@ -50,6 +54,9 @@ def parse_size(text: str) -> int:
 
 
 def sizes(begin: int, end: int, factor: int) -> list[int]:
+    """``begin``, ``begin * factor``, ... up to ``end`` (bytes per rank)."""
+    if begin < 1 or factor < 2:
+        raise ValueError(f"sizes() needs begin >= 1 and factor >= 2, got begin={begin}, factor={factor}")
     out, s = [], begin
     while s <= end:
         out.append(s)
@@ -215,6 +222,12 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
         ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None,
         tune_chunks: bool = False, min_seconds: float = 0.2) -> list[dict]:
+    if begin < 1 or end < begin or factor < 2 or k < 1 or runs < 1 or not min_seconds >= 0:
+        raise ValueError(f"run() needs 1 <= begin <= end, factor >= 2, k >= 1, runs >= 1 and "
+                         f"min_seconds >= 0; got begin={begin}, end={end}, factor={factor}, k={k}, "
+                         f"runs={runs}, min_seconds={min_seconds}")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -253,7 +266,10 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
             if coll.divisible:
                 count = max(n, count // n * n)
-            host = rng.standard_normal((n * count,)).astype(np.float32)
+            if jnp.issubdtype(dtype, jnp.integer):  # small integers: sums stay exact, few zeros
+                host = rng.integers(-1000, 1000, (n * count,), dtype=np.int32)
+            else:
+                host = rng.standard_normal((n * count,), dtype=np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
             # Ours and lax (and the K2-call programs) take turns, run by run: see interleaved_times.
@@ -359,7 +375,9 @@ def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> Non
 
 def _collectives_arg(text: str) -> list[str]:
     """'all' or comma-separated names -> the collectives to run, all-reduce first."""
-    names = list(COLLECTIVES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if "all" in names:
+        names = list(COLLECTIVES)
     unknown = [t for t in names if t not in COLLECTIVES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown collective {', '.join(unknown) or repr(text)}; "
@@ -367,45 +385,152 @@ def _collectives_arg(text: str) -> list[str]:
     return sorted(dict.fromkeys(names), key=list(COLLECTIVES).index)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jax_blink.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("-b", "--begin", default="1K", type=parse_size, help="smallest size per rank (default 1K)")
-    ap.add_argument("-e", "--end", default="64M", type=parse_size, help="largest size per rank (default 64M)")
-    ap.add_argument("-f", "--factor", type=int, default=4, help="size step factor (default 4)")
-    ap.add_argument("-d", "--dtype", default="float32,bfloat16", help="comma-separated dtypes")
-    ap.add_argument("-k", "--chain", type=int, default=20, help="chained calls per program (default 20)")
-    ap.add_argument("-r", "--runs", type=int, default=5, help="timed runs per size, at least (default 5)")
-    ap.add_argument("--min-time", type=float, default=0.2, metavar="S",
+def _dtypes_arg(text: str) -> list[str]:
+    """Comma-separated dtype names -> the dtypes to run, each once, in the order given."""
+    names = [t.strip() for t in text.split(",")]
+    if not all(names) or any(t not in DTYPES for t in names):
+        wrong = [t for t in names if t not in DTYPES]
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}" + (f" (unknown: {', '.join(map(repr, wrong))})" if any(wrong) else "")
+            + f"; takes comma-separated dtypes from {', '.join(DTYPES)}")
+    return list(dict.fromkeys(names))
+
+
+def _kind_arg(text: str) -> str:
+    """A device kind for the file name: letters, digits and ``._+-`` (it becomes part of a path)."""
+    if not text or not all(c.isascii() and (c.isalnum() or c in "._+-") for c in text):
+        raise argparse.ArgumentTypeError(f"got {text!r}; takes a name for the result files made of "
+                                         "letters, digits and ._+- (e.g. nvidia-h200-x2)")
+    return text
+
+
+_MAX_CHAIN = 1000  # a program of K chained calls holds K calls: compile time grows with K
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _cli.Parser(prog=PROG, description="jax_blink's collectives against XLA's (lax), side by side, "
+                     "nccl-tests style: time, algbw and busbw per size, every result checked against lax. "
+                     "Sizes are bytes per rank.",
+                     epilog=f"example: {PROG} -b 1K -e 16M -d float32 -c all -o results")
+    ap.add_argument("-b", "--begin", default=1 << 10, type=_cli.byte_count, metavar="BYTES",
+                    help="smallest size, bytes per rank (65536, 512K, 16M, 1G; default 1K)")
+    ap.add_argument("-e", "--end", default=64 << 20, type=_cli.byte_count, metavar="BYTES",
+                    help="largest size, bytes per rank, >= --begin (default 64M)")
+    ap.add_argument("-f", "--factor", type=_cli.whole_number(2), default=4,
+                    help="each size is the previous one times this, >= 2 (default 4)")
+    ap.add_argument("-d", "--dtype", default=["float32", "bfloat16"], type=_dtypes_arg, metavar="DTYPES",
+                    help=f"comma-separated dtypes from {', '.join(DTYPES)} (default float32,bfloat16; "
+                         "float64 and int64 need JAX_ENABLE_X64=1)")
+    ap.add_argument("-k", "--chain", type=_cli.whole_number(1, _MAX_CHAIN), default=20, metavar="K",
+                    help=f"chained calls per program, 1 to {_MAX_CHAIN} (default 20)")
+    ap.add_argument("-r", "--runs", type=_cli.whole_number(1, 1000), default=5,
+                    help="timed runs per size, at least; 1 to 1000 (default 5)")
+    ap.add_argument("--min-time", type=_cli.number(0, unit=" seconds"), default=0.2, metavar="S",
                     help="more runs (up to 200) until each variant has run S seconds per size (default 0.2)")
-    ap.add_argument("-o", "--out", default=None, help="folder for the CSV/JSON table")
-    ap.add_argument("--kind", default=None, help="device kind for the file name")
-    ap.add_argument("--ceiling", type=float, default=None,
+    ap.add_argument("-o", "--out", default=None, metavar="DIR",
+                    type=lambda t: _cli.output_folder("-o/--out", t),
+                    help="folder for the CSV/JSON table and its plot (made if missing)")
+    ap.add_argument("--kind", default=None, type=_kind_arg,
+                    help="device kind for the file names (default: platform-NxKIND)")
+    ap.add_argument("--ceiling", type=_cli.number(0, above=True, unit=" GB/s"), default=None, metavar="GBPS",
                     help="measured link ceiling in GB/s, drawn into the plot (2 x H200: 364)")
     ap.add_argument("--plot-only", default=None, metavar="CSV",
-                    help="only draw the plot of an earlier run's CSV (beside it, .png)")
-    ap.add_argument("-c", "--collective", default="allreduce", type=_collectives_arg, metavar="NAMES",
+                    type=lambda t: _cli.input_file("--plot-only", t, suffix=".csv"),
+                    help="only draw the plot of an earlier run's CSV (beside it, .png); takes no "
+                         "option of a run but --ceiling")
+    ap.add_argument("-c", "--collective", default=["allreduce"], type=_collectives_arg, metavar="NAMES",
                     help="comma-separated collectives, or 'all' (all-reduce first, then "
                          f"{', '.join(c for c in COLLECTIVES if c != 'allreduce')}); default allreduce")
     ap.add_argument("--command-buffers", action="store_true",
-                    help="also time the handler that XLA may capture in CUDA graphs (column cb)")
-    ap.add_argument("--slope", type=int, default=None, metavar="K2",
-                    help="also time K2 chained calls and report the marginal time per call, "
+                    help="also time the handler that XLA may capture in CUDA graphs (column cb; GPUs only)")
+    ap.add_argument("--slope", type=_cli.whole_number(2, _MAX_CHAIN), default=None, metavar="K2",
+                    help="also time K2 chained calls (K2 > K) and report the marginal time per call, "
                          "(t(K2) - t(K)) / (K2 - K), for ours and lax (columns slope, l.slope)")
     ap.add_argument("--tune-chunks", action="store_true",
                     help="also tune the chunk per size (MIAD, jax_blink.autotune; stored for "
                          "JAX_BLINK_CHUNK_BYTES=auto) and time ours at it (columns tuned_chunk, "
                          "tuned_time_us, tuned_speedup)")
-    a = ap.parse_args(argv)
-    if a.plot_only:
-        plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
-        return 0
-    wrong = 0
-    for collective in a.collective:  # one table (and one set of files) per collective
-        rows = run(a.begin, a.end, a.factor, a.dtype.split(","), a.chain,
-                   a.runs, a.out, a.kind, a.command_buffers, a.ceiling, collective, a.slope,
-                   a.tune_chunks, a.min_time)
-        wrong += sum(r["wrong"] for r in rows)
-    return 1 if wrong else 0
+    return ap
+
+
+_RUN_OPTIONS = {"begin": "-b/--begin", "end": "-e/--end", "factor": "-f/--factor", "dtype": "-d/--dtype",
+                "chain": "-k/--chain", "runs": "-r/--runs", "min_time": "--min-time", "out": "-o/--out",
+                "kind": "--kind", "collective": "-c/--collective", "command_buffers": "--command-buffers",
+                "slope": "--slope", "tune_chunks": "--tune-chunks"}
+_PLOT_COLUMNS = ("size", "dtype", "busbw", "time_us")
+
+
+def _check_plot_only(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    given = [opt for dest, opt in _RUN_OPTIONS.items() if getattr(a, dest) != ap.get_default(dest)]
+    if given:
+        raise _cli.UsageError(f"argument --plot-only: draws an earlier run's CSV and takes no option of a "
+                              f"run (got {', '.join(given)}); only --ceiling goes with it")
+    with open(a.plot_only, newline="") as f:
+        reader = csv.DictReader(f)
+        columns, first = reader.fieldnames or [], next(reader, None)
+    ref = "lax" if "lax_busbw" in columns else "psum"  # files written before the rename say psum
+    missing = [c for c in _PLOT_COLUMNS + (f"{ref}_busbw", f"{ref}_time_us") if c not in columns]
+    if missing or first is None:
+        why = f"this one lacks the columns {', '.join(missing)}" if missing else "this one has no rows"
+        raise _cli.bad("--plot-only", a.plot_only, f"takes a CSV written by {PROG} -o DIR ({why})")
+    png = a.plot_only[:-4] + ".png"
+    _cli.picture_path("--plot-only", png)
+
+
+def _check_run(a: argparse.Namespace) -> None:
+    """The checks that take several options, or the devices, before anything runs."""
+    if a.begin > a.end:
+        raise _cli.bad("-b/--begin", _fmt_bytes(a.begin), f"takes a size <= -e/--end ({_fmt_bytes(a.end)})")
+    if a.out is None:  # options that only shape the files: without -o they would do nothing
+        for option, value in (("--kind", a.kind), ("--ceiling", a.ceiling)):
+            if value is not None:
+                raise _cli.UsageError(f"argument {option}: goes into the files that -o/--out writes "
+                                      f"(or, for --ceiling, the plot of --plot-only); give -o DIR too")
+    if a.slope is not None and a.slope <= a.chain:
+        raise _cli.bad("--slope", a.slope, f"takes a chain longer than -k/--chain ({a.chain})")
+    wide = [d for d in a.dtype if d in _X64_DTYPES]
+    if wide and not jax.config.jax_enable_x64:
+        raise _cli.bad("-d/--dtype", ",".join(a.dtype),
+                       f"{', '.join(wide)} needs JAX's 64-bit mode: run with JAX_ENABLE_X64=1 "
+                       "(else JAX makes them 32-bit)")
+    devices = jax.devices()
+    if a.command_buffers and devices[0].platform != "gpu":
+        raise _cli.UsageError(f"argument --command-buffers: CUDA graphs exist on GPUs only; these devices "
+                              f"are {devices[0].platform}")
+    # The largest size of the run must fit: ours, lax's, the check's copies of input and output.
+    n, largest = len(devices), sizes(a.begin, a.end, a.factor)[-1]
+    per_rank = max(
+        count * jnp.dtype(d).itemsize * (4 + 4 * COLLECTIVES[c].size_factor(n))
+        + (count * 4 * (1 + 4 * COLLECTIVES[c].size_factor(n)) if devices[0].platform == "cpu" else 0)
+        for d in a.dtype for c in a.collective
+        for count in [max(1, largest // jnp.dtype(d).itemsize)])
+    needed = per_rank * n if devices[0].platform == "cpu" else per_rank
+    _cli.check_fits("-e/--end", largest, devices, needed)
+
+
+def main(argv=None) -> int:
+    """Run the bench from the command line; return the exit status (0 ok, 1 wrong results, 2 bad input)."""
+    _cli.ensure_host_devices()  # on a machine without GPUs: 8 CPU host devices, as python -m jax_blink
+    ap = build_parser()
+
+    def body() -> int:
+        a = ap.parse_args(argv)
+        if a.plot_only:
+            _check_plot_only(a, ap)
+            plot(a.plot_only, a.plot_only[:-4] + ".png", a.ceiling)
+            print(f"# drew {a.plot_only[:-4]}.png")
+            return 0
+        _check_run(a)
+        wrong = 0
+        for collective in a.collective:  # one table (and one set of files) per collective
+            rows = run(a.begin, a.end, a.factor, a.dtype, a.chain,
+                       a.runs, a.out, a.kind, a.command_buffers, a.ceiling, collective, a.slope,
+                       a.tune_chunks, a.min_time)
+            wrong += sum(r["wrong"] for r in rows)
+        return 1 if wrong else 0
+
+    # Only the checks' errors are usage errors: a failure while measuring keeps its traceback.
+    return _cli.run_main(PROG, body, usage_errors=(_cli.UsageError,))
 
 
 if __name__ == "__main__":

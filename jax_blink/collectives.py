@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _backends, autotune, distributed as _distributed, hierarchy as _hierarchy, schedule as _schedule, tuning
+from . import _backends, chunk_cache, distributed as _distributed, hierarchy as _hierarchy, schedule as _schedule, tuning
 from .options import AUTO, check_chunk_bytes, config, parse_byte_count
 from .topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, NVLINK_EFFICIENCY, Topology
 from .treegen import hybrid_share, plan as _plan
@@ -102,24 +102,26 @@ def _device_kind() -> str | None:
     return devices[0].device_kind if devices else None
 
 
-def _use_lax(n: int, nbytes: int) -> bool:
-    """Whether this call goes to XLA's own collective (``config.dispatch``, ``tuning``)."""
+def _use_lax(collective: str, n: int, x) -> bool:
+    """Whether this call of ``collective`` on operand ``x`` goes to XLA's own collective
+    (``config.dispatch``; with ``"auto"`` the measured table of :mod:`jax_blink.tuning`, which
+    counts the bytes of a rank's operand)."""
     if config.dispatch == "lax":
         return True
     if config.dispatch == "blink":
         return False
-    return tuning.prefer_lax(_device_kind(), n, nbytes)
+    return tuning.prefer_lax(_device_kind(), n, x.size * np.dtype(x.dtype).itemsize, collective=collective)
 
 
 def _chunk_bytes(collective: str, n: int, nbytes: int, dtype, device_kind: str | None = None):
     """The chunk of this call: ``config.chunk_bytes``, where that is ``"auto"`` the chunk tuned for
-    its class (:mod:`jax_blink.autotune`), else None (the schedule's default). Only reads the
+    its class (:mod:`jax_blink.chunk_cache`), else None (the schedule's default). Only reads the
     cache: a trace never times anything."""
     cb = config.chunk_bytes
     check_chunk_bytes(cb)
     if cb != AUTO:
         return cb
-    return autotune.lookup(device_kind or _device_kind(), n, collective, dtype, nbytes)
+    return chunk_cache.lookup(device_kind or _device_kind(), n, collective, dtype, nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,6 +240,12 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The custom call.
 
+def _shared_memory(topology: Topology) -> bool:
+    """Whether every link of ``topology`` is shared host memory (CPU host devices)."""
+    return topology.graph.number_of_edges() > 0 and all(
+        d.get("kind") == "host" for _, _, d in topology.graph.edges(data=True))
+
+
 @functools.lru_cache(maxsize=256)
 def _program(topology: Topology, collective: str, root, total_elems: int, itemsize: int,
              chunk_bytes, method: str) -> np.ndarray:
@@ -253,6 +261,15 @@ def _program(topology: Topology, collective: str, root, total_elems: int, itemsi
         per = total_elems // n
         segments = []
         for k in range(n):
+            if _shared_memory(topology) and per:
+                # Host devices read each other's memory: segment k goes in one hop from (to) rank
+                # k. Trees that share out links model links that shared memory does not have,
+                # and the CPU executor must keep their hop-by-hop order of partial sums (measured:
+                # 8 ranks' reduce-scatter 2-3x slower through the planner's trees).
+                phases = _schedule.PHASE_BROADCAST if kind == "broadcast" else _schedule.PHASE_REDUCE
+                star = tuple(-1 if r == k else k for r in range(n))
+                segments.append(_schedule.TreeSegment(k, phases, k * per, per, star))
+                continue
             p = _plan(topology, kind, topology.devices[k], method=method)
             segments += _schedule.tree_segments(p, k * per, per, itemsize)
         sched = _schedule.make_schedule(n, total_elems, itemsize, segments, chunk_bytes=chunk_bytes)
@@ -297,9 +314,12 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
-                     topology=None, method="exact", result_type=None, sub=None):
+                     topology=None, method="exact", result_type=None, in_place: bool = False,
+                     sub=None):
     """One ``jax_blink_collective`` custom call over a flat operand (among the ranks of one host
-    of ``axes`` where ``sub``, a :class:`jax_blink.hierarchy.SubGroup`, says so)."""
+    of ``axes`` where ``sub``, a :class:`jax_blink.hierarchy.SubGroup`, says so). ``result_type``:
+    the type of the ``lax`` expression the call computes (``_lax_type``); None only for the
+    inside phases of :mod:`jax_blink.hierarchy`, whose results are a rank's own."""
     config.validate()  # options set in code are checked here, when a call uses them
     platform = _platform()
     if sub is None:
@@ -316,6 +336,9 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     group = _group_index(axes) if sub is None else sub.group
     if result_type is None:
         result_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    elif result_type.shape != flat.shape or result_type.dtype != flat.dtype:
+        raise AssertionError(f"the call's result type {result_type} must be the lax expression's type of "
+                             f"shape {flat.shape} and dtype {flat.dtype}")
     target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
     extra = {}
     comm_id = _next_comm_id()
@@ -338,20 +361,23 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
     # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
     # that every rank runs, so the ranks still meet the same calls in the same order.
-    # Across processes the calls of one program must run in one order on every device: XLA's CPU
-    # runtime may run independent calls concurrently in any order, and ranks blocked in different
-    # calls (or holding all its threads) wait for each other; a side effect keeps program order.
-    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False)
+    # in_place: the result takes the operand's buffer (where the operand is a temporary of the
+    # caller, XLA then needs no second one, and the executor copies nothing outside what moves).
+    # Across processes, the order of a program's calls is kept by distributed.in_program_order.
+    call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
+                            input_output_aliases={0: 0} if in_place else None)
     return call(flat, rank, group, program=program,
                 op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
                 timeout_ms=np.int64(round(config.timeout_s * 1000)),
                 host_share=np.float32(share), **extra)
 
 
-def _replicated_type(x, axes):
-    # Match lax.psum's result type under shard_map (invariant along the axis), in every jax
-    # version, by asking jax for it rather than building it by hand.
-    return jax.eval_shape(lambda v: lax.psum(v, axes), x)
+def _lax_type(lax_expr, flat):
+    """The type of ``lax_expr(flat)``, the ``lax`` expression a call computes: the custom call
+    declares it, so that under ``shard_map`` its result is invariant along the axis exactly where
+    lax's is (replicated: psum; varying: all_gather, psum_scatter, a reduce's non-roots) and
+    ``out_specs`` are checked as for lax. Asked of jax (every version) rather than built by hand."""
+    return jax.eval_shape(lax_expr, flat)
 
 
 def _on_mesh(axes: tuple[str, ...]) -> bool:
@@ -428,27 +454,30 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     n = _axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
 
+    def reference(v):
+        return lax_fn(v, axes)
+
     def f(v):
-        out_type = _replicated_type(v.reshape(-1), axes)
-        return _collective_call(v.reshape(-1), axes, "allreduce", op=op, topology=topology,
-                                method=method, result_type=out_type).reshape(v.shape)
+        flat = v.reshape(-1)
+        return _collective_call(flat, axes, "allreduce", op=op, topology=topology, method=method,
+                                result_type=_lax_type(reference, flat)).reshape(v.shape)
 
     hosts = _hosts_of(axes)
     if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
             np.array(hosts.sub_process, np.int32), hosts.local):
         # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
         # process only (CUDA IPC carries all_reduce alone).
-        return _run("all_reduce", x, n, None, lambda u: lax_fn(u, axes), axes=axes,
+        return _run("all_reduce", x, n, None, reference, axes=axes,
                     prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
         def f(v):  # noqa: F811
             return _hierarchy.all_reduce(
                 v, axes, op, hosts,
                 functools.partial(_collective_call, topology=topology, method=method),
-                _group_index(axes), lambda b: _replicated_type(b, axes))
+                _group_index(axes), lambda b: _lax_type(lambda u: lax.psum(u, axes), b))
 
-    return _run("all_reduce", x, n, f, lambda u: lax_fn(u, axes), axes=axes, linear=op == "sum",
-                prefer_lax=_use_lax(n, x.size * np.dtype(x.dtype).itemsize))
+    return _run("all_reduce", x, n, f, reference, axes=axes, linear=op == "sum",
+                prefer_lax=_use_lax("allreduce", n, x))
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -465,12 +494,12 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
 
 
     def f(v):
-        out_type = _replicated_type(v.reshape(-1), axes)
-        return _collective_call(v.reshape(-1), axes, "broadcast", root=root, topology=topology,
-                                method=method, result_type=out_type).reshape(v.shape)
+        flat = v.reshape(-1)
+        return _collective_call(flat, axes, "broadcast", root=root, topology=topology,
+                                method=method, result_type=_lax_type(reference, flat)).reshape(v.shape)
 
     return _run("broadcast", x, n, f, reference, axes=axes,
-                prefer_lax=_across_hosts_to_lax("broadcast", axes))
+                prefer_lax=_across_hosts_to_lax("broadcast", axes) or _use_lax("broadcast", n, x))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -491,13 +520,14 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
 
 
     def f(v):
-        out = _collective_call(v.reshape(-1), axes, "reduce", op=op, root=root,
-                               topology=topology, method=method).reshape(v.shape)
+        flat = v.reshape(-1)
+        out = _collective_call(flat, axes, "reduce", op=op, root=root, topology=topology,
+                               method=method, result_type=_lax_type(reference, flat)).reshape(v.shape)
         # Non-root ranks hold their subtree's partial result: give them their input back.
         return jnp.where(is_root(), out, v)
 
     return _run("reduce", x, n, f, reference, axes=axes, linear=op == "sum",
-                prefer_lax=_across_hosts_to_lax("reduce", axes))
+                prefer_lax=_across_hosts_to_lax("reduce", axes) or _use_lax("reduce", n, x))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -515,11 +545,14 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
 
 
     def f(v):
-        idx = _axis_index(axes)
-        buf = jnp.zeros((n, v.size), v.dtype)
-        buf = lax.dynamic_update_slice(buf, v.reshape(1, -1), (idx, 0)).reshape(-1)
+        # Rank k's segment k must hold its x; the executor reads no other segment of a rank's
+        # operand, so n copies of x serve (one fused write; zeros + dynamic_update_slice made XLA
+        # keep a copy of the zeros per chained call: 40 MiB of temporaries at 2 MiB per rank).
+        buf = jnp.broadcast_to(v.reshape(1, -1), (n, v.size)).reshape(-1)
+        # Declared as lax.all_gather's result (varying along the axis, as lax's is).
+        gathered = _lax_type(lambda u: lax.all_gather(u, axes, tiled=True), v.reshape(-1))
         out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
-                               result_type=_replicated_type(buf, axes))
+                               result_type=gathered, in_place=True)
         stacked = out.reshape((n,) + v.shape)
         if tiled:
             a = axis % v.ndim
@@ -528,7 +561,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
     return _run("all_gather", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=_across_hosts_to_lax("all_gather", axes))
+                prefer_lax=_across_hosts_to_lax("all_gather", axes) or _use_lax("allgather", n, x))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -552,15 +585,19 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
     def f(v):
         blocks = jnp.moveaxis(v, d, 0)
         block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
-        out = _collective_call(blocks.reshape(-1), axes, "reducescatter", topology=topology,
-                               method=method)
+        flat = blocks.reshape(-1)
+        # Declared varying along the axis, as lax.psum_scatter's result (n blocks: the call's
+        # result holds every block, of which this rank keeps its own).
+        scattered = _lax_type(lambda u: jnp.tile(lax.psum_scatter(u, axes, tiled=True), n), flat)
+        out = _collective_call(flat, axes, "reducescatter", topology=topology, method=method,
+                               result_type=scattered, in_place=True)
         idx = _axis_index(axes)
         mine = lax.dynamic_slice_in_dim(out.reshape(n, -1), idx, 1, axis=0).reshape(block_shape)
         mine = jnp.moveaxis(mine, 0, d)
         return mine if tiled else jnp.squeeze(mine, d)
 
     return _run("reduce_scatter", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=_across_hosts_to_lax("reduce_scatter", axes))
+                prefer_lax=_across_hosts_to_lax("reduce_scatter", axes) or _use_lax("reducescatter", n, x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,15 +636,67 @@ def _gpu_kernel(n: int, nbytes: int) -> str:
     return "the trees below"
 
 
+def _topology_platform(topology: Topology) -> str:
+    """``"cpu"`` for a mesh of CPU host devices (its links are of kind ``"host"``), ``"gpu"`` for
+    any other (the presets, NVML discovery, NVLink/PCIe/switch graphs); a single device, which has
+    no links: the platform of this process's devices."""
+    kinds = set(topology.kinds())
+    if not kinds:
+        return _platform()
+    return "cpu" if kinds == {"host"} else "gpu"
+
+
+def _executor_line(platform: str, collective: str, n: int, nbytes: int) -> str:
+    """Which executor runs ``collective`` on ``n`` devices of ``platform``, and how."""
+    if platform == "cpu":
+        return (f"CPU executor: {nbytes} bytes per rank on {n} CPU host devices run through the trees "
+                "below (a thread per device, meeting its peers in this process)")
+    if collective == "allreduce":
+        return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}"
+    return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run through the trees below"
+
+
+_LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value)",
+             "reduce": "lax.psum", "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
+
+
+def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nbytes: int) -> str:
+    """What ``config.dispatch`` does with this call on ``n`` devices of ``kind`` (None: unknown)."""
+    lax_name = _LAX_NAME[collective]
+    if config.dispatch == "lax":
+        return f"dispatch=lax: {lax_name} runs every call instead of the executor"
+    if config.dispatch == "blink":
+        return "dispatch=blink: the executor runs every call, whatever jax_blink/tuning.py measured"
+    if kind is None:
+        devs, example = ("GPUs", "'NVIDIA H200'") if platform == "gpu" else ("CPU host devices", "'cpu'")
+        return (f"dispatch=auto: the executor, unless jax_blink/tuning.py measured {lax_name} faster on "
+                f"these {devs}: name their kind with device_kind= (e.g. {example}) to see its entry")
+    entry = tuning.entry(kind, n, collective)
+    if entry is None:
+        return f"dispatch=auto: the executor runs this call (jax_blink/tuning.py has no entry for {n} x {kind})"
+    if entry.prefers_lax(nbytes):
+        return (f"dispatch=auto: {lax_name} runs this call instead: it was measured faster on {n} x {kind} "
+                f"at this size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+    return (f"dispatch=auto: the executor runs this call, as the entry for {n} x {kind} says at this "
+            f"size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+
+
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
             dtype="float32", method: str = "exact", device_kind: str | None = None,
             hosts: int = 1) -> str:
     """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
-    data is split between them, in which chunks, and why (the plan's own explanation).
+    data is split between them, in which chunks, and why (the plan's own explanation); which
+    executor runs them on that topology's devices, and whether the dispatch table hands the call to
+    ``lax`` instead.
 
-    ``device_kind`` picks the tuned chunk that ``config.chunk_bytes = "auto"`` reads (default: the
-    kind of this process's default devices). ``hosts`` > 1: ``topology`` is the inside of one of
-    that many hosts, and an all-reduce runs in three phases (:mod:`jax_blink.hierarchy`)."""
+    ``device_kind`` (e.g. ``"NVIDIA H200"``, ``"cpu"``) picks the dispatch table's entry and the
+    tuned chunk that ``config.chunk_bytes = "auto"`` reads. Default: the kind of this process's
+    devices when the topology is of their platform (CPU host devices: links of kind ``"host"``;
+    GPUs: any other), else none: a GPU preset explained on a machine without GPUs is not judged by
+    this machine's CPU measurements. ``hosts`` > 1: ``topology`` is the inside of one of that many
+    hosts, and an all-reduce runs in three phases (:mod:`jax_blink.hierarchy`)."""
+    if collective not in _LAX_NAME:
+        raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(_LAX_NAME)}")
     if hosts > 1:
         return _explain_hosts(topology, nbytes, collective, hosts=hosts, dtype=dtype, method=method,
                               device_kind=device_kind)
@@ -637,24 +726,22 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                 + ("host channel and NVLink." if nbytes >= min_bytes else "NVLink only.")
                 + (f" JAX_BLINK_HOST_SHARE={os.environ['JAX_BLINK_HOST_SHARE']} overrides the share."
                    if os.environ.get("JAX_BLINK_HOST_SHARE") else ""))
-    kind = device_kind or _device_kind()
-    if collective == "allreduce":
-        lines.append(f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}; "
-                     "the CPU executor always runs the trees")
-        if config.dispatch == "lax":
-            lines.append("dispatch=lax: lax.psum runs every all_reduce instead")
-        elif config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes):
-            lines.append(f"dispatch=auto: lax.psum runs this call instead: it was measured faster on {n} x "
-                         f"{kind} at this size (jax_blink/tuning.py, from {', '.join(tuning.entry(kind, n).sources)})")
-    chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind)
+    platform = _topology_platform(topology)
+    kind = device_kind or (_device_kind() if platform == _platform() else None)
+    lines.append(_executor_line(platform, collective, n, nbytes))
+    lines.append(_dispatch_line(kind, platform, collective, n, nbytes))
+    # No device kind: no tuned chunk either (the cache is keyed by it), the schedule's default.
+    chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind) \
+        if kind is not None or config.chunk_bytes != AUTO else None
     prog = _program(topology, collective,
                     None if collective == "allreduce" else root, total, itemsize,
                     chunk, method)
     sched = _schedule.decode(prog)
     if config.chunk_bytes == AUTO:
         lines.append(f"chunk_bytes=auto: {f'tuned chunk of {chunk} bytes' if chunk else 'nothing tuned'} "
-                     f"for {kind}, {n} ranks, {collective}, {jnp.dtype(dtype).name}, "
-                     f"size class {autotune.size_class(total * itemsize)}"
+                     f"for {kind or 'no device kind (pass device_kind=)'}, {n} ranks, {collective}, "
+                     f"{jnp.dtype(dtype).name}, "
+                     f"size class {chunk_cache.size_class(total * itemsize)}"
                      + ("" if chunk else " (the schedule's default)"))
     lines.append(f"schedule: {len(sched.trees)} tree segments, chunks of {sched.chunk_elems} "
                  f"elements ({sched.chunk_elems * itemsize} bytes)")

@@ -12,54 +12,132 @@
                           executor can run (no peer access, no CUDA build, several processes);
                           ``raise``: refuse;
                           ``silent``: fall back without a word.
+
+``config.NAME = value`` checks the value at once (TypeError/ValueError naming the option, the value
+and what it takes) and refuses names that are not options (AttributeError listing them). A
+``JAX_BLINK_*`` variable that nothing reads (a misspelling) gets one warning that lists the known
+ones (:data:`KNOWN_ENVIRONMENT`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import numbers
 import operator
 import os
+import warnings
+
+import numpy as np
 
 _FALLBACKS = ("warn", "raise", "silent")
 MAX_TIMEOUT_S = 1e6  # the budget travels in milliseconds as an int64 attribute; 11 days is plenty
 _DISPATCH = ("auto", "blink", "lax")
-#: ``chunk_bytes`` value that means: the tuned chunk from the cache of :mod:`jax_blink.autotune`.
+#: ``chunk_bytes`` value that means: the tuned chunk from the cache (:mod:`jax_blink.chunk_cache`).
 AUTO = "auto"
+_MIN_CHUNK_BYTES = 16  # the schedule aligns chunks to 16 bytes
 
 
-def check_chunk_bytes(value) -> None:
-    """Raise ValueError unless ``value`` is None, ``"auto"`` or a whole number of bytes >= 16."""
-    if value is None or value == AUTO:
-        return
+def _got(value) -> str:
+    return f"got {value!r} ({type(value).__name__})"
+
+
+def _check_timeout_s(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout_s must be a number of seconds (int or float), {_got(value)}")
+    v = float(value)
+    if not 0 < v <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {value!r}")
+    return v
+
+
+def _check_chunk_bytes(value) -> int | str | None:
+    if value is None:
+        return value
     if isinstance(value, str):
-        raise ValueError(f"chunk_bytes must be a number of bytes >= 16, {AUTO!r} or None, got {value!r}")
+        if value == AUTO:
+            return value
+        raise ValueError(f"chunk_bytes must be a whole number of bytes >= {_MIN_CHUNK_BYTES}, {AUTO!r} "
+                         f"or None, {_got(value)} (a string other than {AUTO!r})")
     try:
         if isinstance(value, bool):
             raise TypeError
         v = operator.index(value)
     except TypeError:
-        raise ValueError(f"chunk_bytes must be a whole number of bytes >= 16, {AUTO!r} or None, "
-                         f"got {value!r}") from None
-    if v < 16:
-        raise ValueError(f"chunk_bytes must be >= 16 (or {AUTO!r} or None), got {value}")
+        raise TypeError(f"chunk_bytes must be a whole number of bytes >= {_MIN_CHUNK_BYTES}, {AUTO!r} "
+                        f"or None, {_got(value)}") from None
+    if not _MIN_CHUNK_BYTES <= v < 1 << 63:
+        raise ValueError(f"chunk_bytes must be >= {_MIN_CHUNK_BYTES} bytes (or {AUTO!r} or None), "
+                         f"got {value!r}")
+    return int(v)
+
+
+def _choice(field: str, choices: tuple[str, ...]):
+    def check(value) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"{field} must be one of {choices}, {_got(value)}")
+        if value not in choices:
+            raise ValueError(f"{field} must be one of {choices}, got {value!r}")
+        return value
+    return check
+
+
+def _check_command_buffers(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"command_buffers must be True or False, {_got(value)}")
+    return bool(value)
+
+
+# Every option, with the check that a value must pass to be set. A check returns the value to store
+# (plain Python types) or raises TypeError (wrong kind of value) / ValueError (out of range), naming
+# the option, the value and what it takes.
+_CHECKS = {
+    "timeout_s": _check_timeout_s,
+    "chunk_bytes": _check_chunk_bytes,
+    "fallback": _choice("fallback", _FALLBACKS),
+    "command_buffers": _check_command_buffers,
+    "dispatch": _choice("dispatch", _DISPATCH),
+}
+
+
+def check_chunk_bytes(value) -> None:
+    """Raise ValueError/TypeError unless ``value`` is None, ``"auto"`` or a whole number of bytes >= 16."""
+    _check_chunk_bytes(value)
+
+
+def _no_such_option(name: str) -> AttributeError:
+    near = difflib.get_close_matches(name, _CHECKS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return AttributeError(f"jax_blink.config has no option {name!r}{hint}; "
+                          f"the options are: {', '.join(_CHECKS)}")
 
 
 @dataclasses.dataclass
 class Options:
+    """The options (``jax_blink.config`` is the one in force). Every assignment is checked: a value
+    an option does not take raises TypeError/ValueError at once, an unknown name AttributeError."""
+
     timeout_s: float = 10.0
     chunk_bytes: int | str | None = None  # bytes, "auto" (tuned, jax_blink.autotune) or None
     fallback: str = "warn"
     command_buffers: bool = False
     dispatch: str = "auto"
 
+    def __setattr__(self, name: str, value) -> None:
+        check = _CHECKS.get(name)
+        if check is None:
+            raise _no_such_option(name)
+        object.__setattr__(self, name, check(value))
+
+    def __getattr__(self, name: str):  # only called for names that are not options
+        if name.startswith("__"):  # copy, pickle and friends probing for hooks
+            raise AttributeError(name)
+        raise _no_such_option(name)
+
     def validate(self) -> None:
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # also refuses nan and inf
-            raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {self.timeout_s}")
-        check_chunk_bytes(self.chunk_bytes)
-        if self.dispatch not in _DISPATCH:
-            raise ValueError(f"dispatch must be one of {_DISPATCH}, got {self.dispatch!r}")
-        if self.fallback not in _FALLBACKS:
-            raise ValueError(f"fallback must be one of {_FALLBACKS}, got {self.fallback!r}")
+        """Check every option again (values set through ``object.__setattr__`` skip the checks)."""
+        for name, check in _CHECKS.items():
+            check(getattr(self, name))
 
 
 _UNITS = {"": 0, "k": 10, "m": 20, "g": 30}
@@ -76,52 +154,90 @@ def parse_byte_count(text: str) -> int:
     return int(digits) << _UNITS[unit]
 
 
-def _from_env() -> Options:
-    o = Options()
-    # An empty variable counts as unset, as the CUDA executor reads its own.
-    env = {k: v for k, v in os.environ.items() if k.startswith("JAX_BLINK_") and v}
-    if "JAX_BLINK_TIMEOUT_S" in env:
-        try:
-            o.timeout_s = float(env["JAX_BLINK_TIMEOUT_S"])
-        except ValueError:
-            raise ValueError(f"JAX_BLINK_TIMEOUT_S must be a number of seconds > 0, "
-                             f"got {env['JAX_BLINK_TIMEOUT_S']!r}") from None
-    if "JAX_BLINK_CHUNK_BYTES" in env:
-        text = env["JAX_BLINK_CHUNK_BYTES"].strip()
-        if text.lower() == AUTO:
-            o.chunk_bytes = AUTO
-        else:
-            try:
-                o.chunk_bytes = parse_byte_count(text)
-            except ValueError:
-                raise ValueError(f"JAX_BLINK_CHUNK_BYTES must be a number of bytes (65536, 512K, 16M) "
-                                 f"or {AUTO!r}, got {text!r}") from None
-    if "JAX_BLINK_DISPATCH" in env:
-        o.dispatch = env["JAX_BLINK_DISPATCH"].strip().lower()
-    if "JAX_BLINK_COMMAND_BUFFERS" in env:
-        flag = env["JAX_BLINK_COMMAND_BUFFERS"].strip().lower()
-        if flag not in _TRUE + _FALSE:  # "" never gets here: empty is unset
-            raise ValueError(f"JAX_BLINK_COMMAND_BUFFERS must be 1/true/yes/on or 0/false/no/off, "
-                             f"got {env['JAX_BLINK_COMMAND_BUFFERS']!r}")
-        o.command_buffers = flag in _TRUE
-    if "JAX_BLINK_FALLBACK" in env:
-        o.fallback = env["JAX_BLINK_FALLBACK"].strip().lower()
+def _parse_seconds(text: str) -> float:
     try:
-        o.validate()
-    except ValueError as e:  # name the variable: the value came from the environment
-        raise ValueError(f"from the JAX_BLINK_* environment: {e}") from None
+        return float(text)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+
+
+def _parse_chunk(text: str) -> int | str:
+    return AUTO if text.lower() == AUTO else parse_byte_count(text)
+
+
+def _parse_flag(text: str) -> bool:
+    if text.lower() not in _TRUE + _FALSE:
+        raise ValueError("not 1/true/yes/on or 0/false/no/off")
+    return text.lower() in _TRUE
+
+
+# The variables that set options: name -> (option, parser of its text, what it takes).
+_ENV_OPTIONS = {
+    "JAX_BLINK_TIMEOUT_S": ("timeout_s", _parse_seconds, f"a number of seconds > 0, at most {MAX_TIMEOUT_S:g}"),
+    "JAX_BLINK_CHUNK_BYTES": ("chunk_bytes", _parse_chunk,
+                              f"a number of bytes >= {_MIN_CHUNK_BYTES} (65536, 512K, 16M) or {AUTO!r}"),
+    "JAX_BLINK_DISPATCH": ("dispatch", str.lower, " / ".join(_DISPATCH)),
+    "JAX_BLINK_COMMAND_BUFFERS": ("command_buffers", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_FALLBACK": ("fallback", str.lower, " / ".join(_FALLBACKS)),
+}
+# The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
+# host channel's engine and the executor's size limits that explain() reports (collectives.py), and
+# the CUDA executor's own (kernels/cuda_executor.cu, checked at set-up). tests/test_options.py
+# scans the package and kernels/ so that this list cannot miss one.
+_ENV_ELSEWHERE = (
+    "JAX_BLINK_TUNING_CACHE", "JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS",
+    "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_SHARE",
+    "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_ENGINE",
+)
+#: Every ``JAX_BLINK_*`` environment variable that jax_blink or its executors read.
+KNOWN_ENVIRONMENT = tuple(sorted({*_ENV_OPTIONS, *_ENV_ELSEWHERE}))
+
+
+def unknown_environment(environ=None) -> list[str]:
+    """The ``JAX_BLINK_*`` names in ``environ`` (default ``os.environ``) that nothing reads."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith("JAX_BLINK_") and k not in KNOWN_ENVIRONMENT)
+
+
+def _warn_unknown_environment(environ=None) -> None:
+    unknown = unknown_environment(environ)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, KNOWN_ENVIRONMENT, n=1, cutoff=0.8)
+        hints.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    warnings.warn(f"jax_blink ignores the environment variable{'s' * (len(unknown) > 1)} "
+                  f"{', '.join(hints)}: not one it reads. The ones it reads: {', '.join(KNOWN_ENVIRONMENT)}",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _from_env(environ=None) -> Options:
+    """The options as the ``JAX_BLINK_*`` variables of ``environ`` (default ``os.environ``) set
+    them; ValueError naming the variable for a value its option does not take."""
+    environ = os.environ if environ is None else environ
+    o = Options()
+    for name, (field, parse, takes) in _ENV_OPTIONS.items():
+        text = environ.get(name, "").strip()
+        if not text:  # an empty variable counts as unset, as the CUDA executor reads its own
+            continue
+        try:
+            setattr(o, field, parse(text))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}={environ[name]!r} in the environment: {e}; {name} takes {takes}") from None
     return o
 
 
 #: The options in force. Values are read at trace time: change them before ``jit`` traces.
 config = _from_env()
+_warn_unknown_environment()
 
 
 @contextlib.contextmanager
 def override(**fields):
     """Set ``config`` fields for the duration of a ``with`` block (options are read when ``jit``
     traces: trace inside the block), restoring them after."""
-    saved = {k: getattr(config, k) for k in fields}
+    saved = {k: getattr(config, k) for k in fields}  # an unknown name raises here, before any change
     try:
         for k, v in fields.items():
             setattr(config, k, v)

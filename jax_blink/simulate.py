@@ -280,7 +280,7 @@ def rings(topology: Topology) -> RingPlan:
         kinds = set(topology.kinds())
         if mesh_cap is not None and kinds <= {"switch", "host"}:
             rp = RingPlan(topology, (tuple(nodes),), ((n - 1) * mesh_cap,), "mesh",
-                          (_alpha(kinds),), "uniform full mesh: rings reach the per-GPU fabric rate")
+                          (_alpha(kinds),), "uniform full mesh: rings reach the per-device fabric rate")
         else:
             nv = _links_by_pair(topology, {"nvlink", "switch"})
             rs, rates, ks, exact = _pack_rings(nodes, nv) if nv else ([], [], [], True)

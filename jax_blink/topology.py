@@ -48,7 +48,7 @@ LINK_LATENCY_US: dict[str, float] = {"nvlink": 1.5, "switch": 2.0, "pcie": 5.0, 
 
 #: GB/s per NVLink per direction, by NVLink version (NVML's nvmlDeviceGetNvLinkVersion):
 #: 1 = P100 (NVLink 1), 2 = V100 (NVLink 2), 3 = A100 (NVLink 3), 4 = H100/H200 (NVLink 4: 26.6
-#: measured per link on the 2 x H200 machine, DESIGN.md), 5 = B200 (NVLink 5).
+#: measured per link on the 2 x H200 machine, docs/DESIGN.md), 5 = B200 (NVLink 5).
 NVLINK_GBPS: dict[int, float] = {1: 20.0, 2: 25.0, 3: 25.0, 4: 26.6, 5: 50.0}
 
 #: Nominal PCIe GB/s per direction where NVML cannot say: gen4 x16 after protocol overhead.

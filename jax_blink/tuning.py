@@ -1,14 +1,20 @@
 """When jax_blink's executor is the faster choice, from measurements (not guesses).
 
-``all_reduce`` hands a call to ``lax.psum`` where XLA's own collective was measured faster on the
-same kind of machine. Each entry of :data:`CROSSOVERS` is derived by :func:`derive` from bench
-results kept in the repository (``python -m jax_blink.bench -o benchmarks/results``, its JSON
+Each collective (``all_reduce``, ``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``)
+hands a call to its ``lax`` counterpart (``lax.psum``, ``lax.all_gather``, ``lax.psum_scatter``, or
+the psum expression it equals) where that was measured faster for that collective on the same
+kind of machine. Each entry of :data:`CROSSOVERS` is derived by :func:`derive` from bench results
+kept in the repository (``python -m jax_blink.bench -c all -o benchmarks/results``, its JSON
 files), and a test derives every entry again from the files it cites: the table cannot drift from
-its evidence. A machine that is not listed always uses the executor.
+its evidence. A collective or machine that is not listed always uses the executor.
+
+Sizes are the bytes of one rank's operand (``x.size * itemsize``), for every collective; the
+bench's ``size`` column is the larger of input and output (nccl-tests), which for all-gather is
+the output, n times the operand: :func:`derive` converts.
 
 To make or refresh an entry after a bench run::
 
-    python -m jax_blink crossover benchmarks/results/allreduce-<kind>-<date>.json [more runs ...]
+    python -m jax_blink crossover benchmarks/results/<collective>-<kind>-<date>.json [more runs ...]
 """
 from __future__ import annotations
 
@@ -19,19 +25,33 @@ import os
 from collections.abc import Sequence
 
 
+#: The collectives of the table, by their bench names (``python -m jax_blink.bench -c``).
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reducescatter")
+
+
 @dataclasses.dataclass(frozen=True)
 class Crossover:
-    """On ``ranks`` devices of ``device_kind``, ``lax.psum`` was measured faster for per-rank sizes
-    in the half-open byte ranges ``lax_ranges`` (``[lo, hi)``, ``hi`` None: no upper end); the
-    executor everywhere else. ``sources`` are the bench JSON files it is derived from."""
+    """On ``ranks`` devices of ``device_kind``, ``collective``'s ``lax`` counterpart was measured
+    faster for operand sizes per rank in the half-open byte ranges ``lax_ranges`` (``[lo, hi)``,
+    ``hi`` None: no upper end); the executor everywhere else. ``sources`` are the bench JSON files
+    it is derived from."""
 
     device_kind: str
     ranks: int
     lax_ranges: tuple[tuple[int, int | None], ...]
     sources: tuple[str, ...]
+    collective: str = "allreduce"
 
     def prefers_lax(self, nbytes: int) -> bool:
         return any(lo <= nbytes and (hi is None or nbytes < hi) for lo, hi in self.lax_ranges)
+
+    def as_code(self) -> str:
+        """The entry as it is written in :data:`CROSSOVERS` (what ``python -m jax_blink crossover``
+        prints to paste there)."""
+        lines = [f"Crossover({self.device_kind!r}, {self.ranks}, {self.lax_ranges!r}, ("]
+        lines += [f"    {src!r}," for src in self.sources]
+        lines.append(")" + ("" if self.collective == "allreduce" else f", collective={self.collective!r}") + ")")
+        return "\n".join(lines)
 
 
 def _lax_won(row: dict) -> bool:
@@ -41,20 +61,25 @@ def _lax_won(row: dict) -> bool:
     return float(row["speedup"]) < 1.0 and (math.isnan(slope) or slope < 1.0)
 
 
-def _read_run(src: str, root: str) -> tuple[tuple[str, int], dict[int, bool]]:
-    """(device kind, ranks) of a bench run and, per size it measured, whether psum won there."""
+def _read_run(src: str, root: str) -> tuple[tuple[str, int, str], dict[int, bool]]:
+    """(device kind, ranks, collective) of a bench run and, per operand size it measured, whether
+    lax won there."""
     try:
         with open(os.path.join(root, src)) as f:
             doc = json.load(f)
         meta, rows = doc["meta"], doc["rows"]
         collective = meta.get("collective") or os.path.basename(src).split("-")[0]
-        kind = (meta["device_kind"], int(meta["n"]))
-        points = [(int(r["size"]), str(r.get("dtype", "")), int(r.get("wrong", 0)), _lax_won(r)) for r in rows]
+        n = int(meta["n"])
+        kind = (meta["device_kind"], n, collective)
+        per_operand = n if collective == "allgather" else 1  # the bench's size: all-gather's output
+        points = [(int(r["size"]) // per_operand, str(r.get("dtype", "")), int(r.get("wrong", 0)), _lax_won(r))
+                  for r in rows]
     except (OSError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{src}: not a readable bench result (python -m jax_blink.bench -o DIR writes "
                          f"one): {type(e).__name__}: {e}") from None
-    if collective != "allreduce":
-        raise ValueError(f"{src}: not an all-reduce bench run ({collective})")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"{src}: a bench run of {collective!r}, not of a collective the table holds "
+                         f"({', '.join(COLLECTIVES)})")
     won: dict[int, bool] = {}
     for size, dtype, wrong, lax_won in points:
         if wrong:
@@ -65,17 +90,18 @@ def _read_run(src: str, root: str) -> tuple[tuple[str, int], dict[int, bool]]:
 
 
 def derive(sources: Sequence[str], root: str = ".") -> Crossover:
-    """The crossover entry that the all-reduce bench runs ``sources`` (JSON files written by
+    """The crossover entry that the bench runs ``sources`` of one collective (JSON files written by
     ``python -m jax_blink.bench -o DIR``; paths relative to ``root``) support.
 
-    A size goes to ``lax.psum`` only if psum won there in every run that measured it and in every
+    A size goes to ``lax`` only if lax won there in every run that measured it and in every
     dtype, by the 20-call time and (where the run has it) the marginal cost of a call: below a few
     hundred KiB both measures move by tens of percent between runs, and a dispatch rule must not
     follow that noise. Between two measured sizes the boundary is their geometric mean; below the
     smallest and above the largest size measured the nearest measured size decides.
 
-    Raises ValueError when the runs disagree on the machine (device kind, rank count), when one
-    is not an all-reduce run, cannot be read, or had wrong results.
+    Raises ValueError when the runs disagree on the machine (device kind, rank count) or the
+    collective, when one is of a collective the table does not hold, cannot be read, or had wrong
+    results.
     """
     if not sources:
         raise ValueError("derive() needs at least one bench JSON file")
@@ -85,8 +111,12 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
         kinds.add(kind)
         for size, w in won.items():
             lax_won[size] = lax_won.get(size, True) and w
+    if len({k[2] for k in kinds}) > 1:
+        raise ValueError(f"the runs are of different collectives: {sorted({k[2] for k in kinds})}; "
+                         "derive one entry per collective")
     if len(kinds) != 1:
-        raise ValueError(f"the runs are of different machines: {sorted(kinds)}; derive one entry per machine")
+        raise ValueError(f"the runs are of different machines: {sorted(k[:2] for k in kinds)}; "
+                         "derive one entry per machine")
     if not lax_won:
         raise ValueError("the runs measured no size")
     measured, won_everywhere = set(lax_won), {s for s, w in lax_won.items() if w}
@@ -104,8 +134,8 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
         hi = None if j == len(order) - 1 else round(math.sqrt(order[j] * order[j + 1]))
         ranges.append((lo, hi))
         i = j + 1
-    (kind, n), = kinds
-    return Crossover(kind, n, tuple(ranges), tuple(sources))
+    (kind, n, collective), = kinds
+    return Crossover(kind, n, tuple(ranges), tuple(sources), collective)
 
 
 # Executor 0.4.x on 2 x H200: three all-reduce runs, 1 KiB-1 GiB, 20 chained calls and the marginal
@@ -117,27 +147,84 @@ CROSSOVERS: tuple[Crossover, ...] = (
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.4.json")),
-    # CPU host devices (the CPU executor: threads meeting in one process) on a 2-core machine,
-    # 2026-11-23, float32 and bfloat16, 1 KiB-16 MiB, --slope 60. Two ranks: ours 1.4-2.2x faster up
-    # to 16 KiB (float32), psum 2-3x faster from 1 to 4 MiB; four and eight ranks: psum 1.8-4x
-    # faster at every size (the executor's rendezvous costs more than XLA's in-process all-reduce).
-    # Other CPUs may differ: measure them (python -m jax_blink.bench, then python -m jax_blink crossover).
-    Crossover("cpu", 2, ((524288, 8388608),), (
-        "benchmarks/results/allreduce-cpu-2core-2dev-2026-11-23.json",)),
-    Crossover("cpu", 4, ((0, None),), (
-        "benchmarks/results/allreduce-cpu-2core-4dev-2026-11-23.json",)),
-    Crossover("cpu", 8, ((0, None),), (
-        "benchmarks/results/allreduce-cpu-2core-8dev-2026-11-23.json",)),
+    # CPU host devices (the CPU executor: threads meeting in one process) on a 2-core machine shared
+    # with other jobs (load average 4-8 while measuring), 2026-11-24, executor of commit 328c546:
+    # every collective against its lax counterpart, float32 and bfloat16, 1 KiB-16 MiB (8 ranks:
+    # 4 MiB) by factors of 4, 20 chained calls, ours and lax taking turns run by run. Ours won
+    # (in at least one dtype) at every size but all-gather at 32-128 KiB (4 ranks: 128-512 KiB)
+    # and 8-rank all-reduce at 32-128 KiB. A size goes to lax only where lax won in every dtype:
+    # in float32 alone lax is faster in more places (all-gather from 64 KiB on 4 and 8 ranks,
+    # 0.51-0.76x; reduce-scatter at 256 KiB-4 MiB, 0.76-0.99x; 8-rank all-reduce at 1 MiB, 0.54x),
+    # in bfloat16 ours nearly everywhere (XLA's bfloat16 arithmetic is slow on CPU). The runs of the executor before
+    # (commit 981c98e, benchmarks/results/*-before-2026-11-23.*: 1 KiB-4 MiB by factors of 16)
+    # had lax faster at every size for all-reduce, all-gather and reduce-scatter on 4 and 8 ranks
+    # (0.12-0.76x); benchmarks/results/cpu-executor-before-after-2core-2026-11-23.md compares.
+    # Other CPUs may differ: measure them (python -m jax_blink.bench -c all -o DIR,
+    # then python -m jax_blink crossover DIR/<collective>-....json).
+    Crossover("cpu", 2, (), (
+        "benchmarks/results/allreduce-cpu-2core-2dev-2026-11-24.json",
+    )),
+    Crossover("cpu", 2, (), (
+        "benchmarks/results/broadcast-cpu-2core-2dev-2026-11-24.json",
+    ), collective="broadcast"),
+    Crossover("cpu", 2, (), (
+        "benchmarks/results/reduce-cpu-2core-2dev-2026-11-24.json",
+    ), collective="reduce"),
+    Crossover("cpu", 2, ((32768, 131072),), (
+        "benchmarks/results/allgather-cpu-2core-2dev-2026-11-24.json",
+    ), collective="allgather"),
+    Crossover("cpu", 2, (), (
+        "benchmarks/results/reducescatter-cpu-2core-2dev-2026-11-24.json",
+    ), collective="reducescatter"),
+    Crossover("cpu", 4, (), (
+        "benchmarks/results/allreduce-cpu-2core-4dev-2026-11-24.json",
+    )),
+    Crossover("cpu", 4, (), (
+        "benchmarks/results/broadcast-cpu-2core-4dev-2026-11-24.json",
+    ), collective="broadcast"),
+    Crossover("cpu", 4, (), (
+        "benchmarks/results/reduce-cpu-2core-4dev-2026-11-24.json",
+    ), collective="reduce"),
+    Crossover("cpu", 4, ((131072, 524288),), (
+        "benchmarks/results/allgather-cpu-2core-4dev-2026-11-24.json",
+    ), collective="allgather"),
+    Crossover("cpu", 4, (), (
+        "benchmarks/results/reducescatter-cpu-2core-4dev-2026-11-24.json",
+    ), collective="reducescatter"),
+    Crossover("cpu", 8, ((32768, 131072),), (
+        "benchmarks/results/allreduce-cpu-2core-8dev-2026-11-24.json",
+    )),
+    Crossover("cpu", 8, (), (
+        "benchmarks/results/broadcast-cpu-2core-8dev-2026-11-24.json",
+    ), collective="broadcast"),
+    Crossover("cpu", 8, (), (
+        "benchmarks/results/reduce-cpu-2core-8dev-2026-11-24.json",
+    ), collective="reduce"),
+    Crossover("cpu", 8, ((32768, 131072),), (
+        "benchmarks/results/allgather-cpu-2core-8dev-2026-11-24.json",
+    ), collective="allgather"),
+    Crossover("cpu", 8, (), (
+        "benchmarks/results/reducescatter-cpu-2core-8dev-2026-11-24.json",
+    ), collective="reducescatter"),
 )
 
 
-def entry(device_kind: str | None, ranks: int) -> Crossover | None:
-    """The table's entry for ``ranks`` devices of ``device_kind`` (None: not measured)."""
-    return next((c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks), None)
+def _check_collective(collective: str) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective {collective!r} is not one of the table's: {', '.join(COLLECTIVES)}")
 
 
-def prefer_lax(device_kind: str | None, ranks: int, nbytes: int) -> bool:
-    """True when ``lax.psum`` was measured faster than the executor for this call."""
-    c = entry(device_kind, ranks)
+def entry(device_kind: str | None, ranks: int, collective: str = "allreduce") -> Crossover | None:
+    """The table's entry for ``collective`` on ``ranks`` devices of ``device_kind`` (None: not
+    measured)."""
+    _check_collective(collective)
+    return next((c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks
+                 and c.collective == collective), None)
+
+
+def prefer_lax(device_kind: str | None, ranks: int, nbytes: int, collective: str = "allreduce") -> bool:
+    """True when ``collective``'s ``lax`` counterpart was measured faster than the executor for a
+    call with ``nbytes`` of operand per rank on ``ranks`` devices of ``device_kind``."""
+    c = entry(device_kind, ranks, collective)
     return c is not None and c.prefers_lax(nbytes)
 

@@ -7,22 +7,27 @@
 // Calls of one communicator are matched across ranks by (RunId, k): ffi::RunId is shared by every
 // device of one launch and differs between launches, and k counts this rank's calls of the comm
 // in that launch (a loop calls one call site many times). The first rank to arrive at a call gives
-// it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers)
-// and per tree two progress words, reduce and broadcast, each (g << 32 | chunks done). A rank
-// publishes a word only after it wrote the chunk into its `out`; a waiter needs the high half to
-// equal its own g, so words of another call never satisfy it. Peers read that `out` directly (one
-// process, host pointers are shared), as GPUs read a peer's buffer under peer access.
+// it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers, a
+// `done` word) and per tree two progress words, reduce and broadcast, each (g << 32 | chunks
+// done). A rank publishes a word only once the data it stands for is in place (in its `out`, or
+// its `in`, see RunSchedule); a waiter needs the high half to equal its own g, so words of another
+// call never satisfy it. Peers read those buffers directly (one process, host pointers are
+// shared), as GPUs read a peer's buffer under peer access; RunSchedule says which buffers whom.
 //
-// Waits take the watched rank's mutex and condition variable (no busy spinning: up to 32 host
-// devices share 2 cores); a publisher takes its own mutex to store the word and notifies only when
-// somebody waits. Every wait has its own deadline of timeout_ms.
+// Waits sleep on the watched rank's mutex and condition variable (no busy spinning: up to 32 host
+// devices share 2 cores); a publisher stores its word without a lock and takes the mutex to notify
+// only when somebody sleeps (Call::Publish). Every wait has its own deadline of timeout_ms.
 //
 // ## Order, and why it cannot deadlock
 // Every rank runs the same steps in the same order: trees in program order, in each tree all reduce
 // chunks, then all broadcast chunks; then its exit waits. Name a step by its key (t, phase, c),
 // ordered lexicographically with reduce < broadcast. A reduce step (r, t, R, c) waits only for the
-// children of r to finish their step (t, R, c); a broadcast step (r, t, B, c) waits only for the
-// parent of r to finish (t, B, c). An exit wait waits for a peer to finish one step of some key.
+// children of r to finish their step (t, R, c) (a leaf finishes all of them at entry); a
+// broadcast step (r, t, B, c) waits only for the root of t to finish (t, B, c), which the root
+// does within its step (t, R, c), or at entry in a broadcast-only tree: an earlier key, so these
+// waits never block a chain of ranks (read "parent" as "root" below, a chain of length one). Exit
+// waits come after a rank's last step and wait for peers to finish all theirs (`done`): once no
+// step waits forever, they end too.
 // Suppose all ranks of a call are present and some are blocked forever. Among the steps blocked
 // ranks wait for, take one with the smallest key K, waited for by rank a on peer b. b has not
 // finished K, and b runs steps in key order, so b is not past K; b is not finished, so it is
@@ -37,12 +42,11 @@
 //
 // ## When a rank may return
 // XLA may reuse a buffer once the call returns, so a rank returns only when no peer will read its
-// `out` any more: in a tree with a broadcast phase its children read it (the exit waits for each
-// child's last broadcast word; the parent's reduce reads are over by then, since the parent
-// broadcasts only after its whole reduce phase and this rank waited for that); in a reduce-only
-// tree its parent reads it (the exit waits for the parent's last reduce word). Nobody reads `in`,
-// so `in` may alias `out` (donation): each element of `out` is written from `in` and the children
-// at the same index only.
+// buffers any more: each rank publishes `done` after its last read of a peer, and waits for the
+// `done` of every peer that reads its own (Comm::readers_of: the parents in trees with a reduce
+// phase, every rank in trees it roots with a broadcast phase). `in` may alias `out` (donation):
+// each element of `out` is written from `in`, the children or the root at the same index only,
+// and only after the peers that read that element of `in` have read it (RunSchedule).
 //
 // ## Faults: deadlines, failure, and getting back to work
 // A wait past its deadline marks its call (the CallRec of (RunId, k)) failed, keeping the first
@@ -100,6 +104,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kDefaultTimeoutMs = 10000;
 constexpr int kReduce = 0, kBroadcast = 1;
+constexpr int kDone = -2;  // Call::Wait's tree for a peer's `done` word
 
 // ---------------------------------------------------------------------------------------------
 // Element types and the combining ops.
@@ -122,12 +127,14 @@ struct F16 {
   uint16_t bits;
 };
 
-// Round to nearest even, NaN stays a (quiet) NaN: as ml_dtypes does.
+// Round to nearest even, NaN stays a (quiet) NaN: as ml_dtypes does. Branch-free (a select on a
+// signed compare), so that the reduce loops vectorise: with a branch, bfloat16 max ran ~30x slower.
 inline uint16_t F32ToBf16(float f) {
-  uint32_t u = F32Bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = F32Bits(f);
+  const int32_t magnitude = static_cast<int32_t>(u & 0x7fffffffu);
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(magnitude > 0x7f800000 ? quiet_nan : rounded);
 }
 
 // IEEE half <-> float (F. Giesen's exact conversions; round to nearest even, subnormals kept).
@@ -212,34 +219,31 @@ struct MinOp {
 };
 
 // out[i] = in[i] op kids[0][i] op kids[1][i] ...  (left to right; 16-bit types in float32 with
-// one rounding at the end). `out` may alias `in`, never a kid.
+// one rounding at the end). `out` may alias `in`, never a kid. Several kids accumulate block by
+// block in a buffer that stays in L1, so `out` is written once (not once per kid).
 using ReduceFn = void (*)(void* out, const void* in, const void* const* kids, int nkids, int64_t n);
 
 template <class T, class Op>
 void ReduceChunk(void* out_v, const void* in_v, const void* const* kids_v, int nkids, int64_t n) {
   T* out = static_cast<T*>(out_v);
   const T* in = static_cast<const T*>(in_v);
+  const T* k0 = static_cast<const T*>(kids_v[0]);
   using E = Elem<T>;
   using A = typename E::Acc;
-  if constexpr (std::is_same_v<T, A>) {
-    const T* k0 = static_cast<const T*>(kids_v[0]);
-    for (int64_t i = 0; i < n; ++i) out[i] = Op::Apply(in[i], k0[i]);
+  if (nkids == 1) {
+    for (int64_t i = 0; i < n; ++i) out[i] = E::Store(Op::Apply(E::Load(in[i]), E::Load(k0[i])));
+    return;
+  }
+  constexpr int64_t kBlock = 1024;
+  alignas(64) A acc[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t m = std::min(kBlock, n - i0);
+    for (int64_t j = 0; j < m; ++j) acc[j] = Op::Apply(E::Load(in[i0 + j]), E::Load(k0[i0 + j]));
     for (int k = 1; k < nkids; ++k) {
-      const T* kk = static_cast<const T*>(kids_v[k]);
-      for (int64_t i = 0; i < n; ++i) out[i] = Op::Apply(out[i], kk[i]);
+      const T* kk = static_cast<const T*>(kids_v[k]) + i0;
+      for (int64_t j = 0; j < m; ++j) acc[j] = Op::Apply(acc[j], E::Load(kk[j]));
     }
-  } else {
-    constexpr int64_t kBlock = 1024;
-    A acc[kBlock];
-    for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-      const int64_t m = std::min(kBlock, n - i0);
-      for (int64_t j = 0; j < m; ++j) acc[j] = E::Load(in[i0 + j]);
-      for (int k = 0; k < nkids; ++k) {
-        const T* kk = static_cast<const T*>(kids_v[k]) + i0;
-        for (int64_t j = 0; j < m; ++j) acc[j] = Op::Apply(acc[j], E::Load(kk[j]));
-      }
-      for (int64_t j = 0; j < m; ++j) out[i0 + j] = E::Store(acc[j]);
-    }
+    for (int64_t j = 0; j < m; ++j) out[i0 + j] = E::Store(acc[j]);
   }
 }
 
@@ -304,13 +308,14 @@ struct CallRec {
 };
 
 struct Slot {
-  // Guards the progress words' updates (not their reads) and the condition variable.
+  // Guards sleeping on the condition variable (a publisher takes it only when somebody sleeps).
   std::mutex mu;
   std::condition_variable cv;
-  int waiters = 0;                        // under mu
+  std::atomic<int> waiters{0};            // peers sleeping (or about to) on cv; changed under mu
   std::atomic<const void*> in{nullptr};   // this call's buffers (stored at entry, before any
   std::atomic<void*> out{nullptr};        // progress word of the call: its acquire publishes them)
-  std::atomic<int> readers{0};            // peers copying from `out` right now
+  std::atomic<int> readers{0};            // peers copying from its buffers right now
+  std::atomic<uint64_t> done{0};          // (g << 32 | 1) once this rank read all it reads in call g
   // Under Comm::mu:
   int64_t run_id = 0;     // launch of the current (or last) call
   uint32_t k = 0;         // calls of this comm in that launch so far
@@ -336,6 +341,7 @@ struct Comm {
   std::vector<int32_t> child_begin;  // children of r in tree t: child_list[child_begin[t*n+r] ..
   std::vector<int32_t> child_list;   //                                      child_begin[t*n+r+1])
   std::vector<std::pair<int64_t, int64_t>> gaps;  // (offset, len) outside every segment
+  std::vector<std::vector<int32_t>> readers_of;   // per rank: the peers that read its buffers
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<std::atomic<uint64_t>[]> progress;  // [(r * ntrees + t) * 2 + phase]
 
@@ -386,6 +392,22 @@ struct Comm {
       at = tv.seg_offset + tv.seg_len;
     }
     if (program.total_elems() > at) gaps.emplace_back(at, program.total_elems() - at);
+    // Who reads whose buffers (see RunSchedule): the parent reads a non-root's in a tree with a
+    // reduce phase, every non-root reads the root's in a tree with a broadcast phase.
+    readers_of.assign(nranks, {});
+    for (int t = 0; t < ntrees; ++t) {
+      const TreeView& tv = program.tree(t);
+      if (tv.num_chunks(program.chunk_elems()) == 0) continue;
+      for (int r = 0; r < nranks; ++r) {
+        if (r == tv.root) continue;
+        if (tv.phases & kPhaseReduce) readers_of[r].push_back(tv.parent[r]);
+        if (tv.phases & kPhaseBroadcast) readers_of[tv.root].push_back(r);
+      }
+    }
+    for (auto& v : readers_of) {
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+    }
     slots.reset(new Slot[nranks]);
     const size_t nwords = static_cast<size_t>(nranks) * ntrees * 2;
     progress.reset(new std::atomic<uint64_t>[nwords]);
@@ -474,11 +496,12 @@ class Call {
   }
 
   // Waits until `peer` has finished chunk `chunk` of (t, phase) in this call.
+  // t == kDone: until `peer` has read everything it reads in this call (chunk 0, phase unused).
   bool Wait(int peer, int t, int phase, int64_t chunk) {
-    std::atomic<uint64_t>& w = c_.word(peer, t, phase);
+    std::atomic<uint64_t>& w = t == kDone ? c_.slots[peer].done : c_.word(peer, t, phase);
     const uint64_t target = base() | static_cast<uint64_t>(chunk + 1);
     auto reached = [&] {
-      const uint64_t v = w.load(std::memory_order_acquire);
+      const uint64_t v = w.load(std::memory_order_seq_cst);  // seq_cst: see Publish
       return (v >> 32) == g_ && v >= target;
     };
     if (reached()) return true;
@@ -491,18 +514,20 @@ class Call {
     bool ok;
     {
       std::unique_lock<std::mutex> lk(s.mu);
-      ++s.waiters;
+      s.waiters.fetch_add(1, std::memory_order_seq_cst);
       ok = s.cv.wait_until(lk, deadline, [&] { return reached() || rec_.failed.load(); });
-      --s.waiters;
+      s.waiters.fetch_sub(1, std::memory_order_relaxed);
     }
     if (rec_.failed.load()) return PeerFailed(peer, t, phase, chunk);
     if (ok) return true;
     char secs[32];
     std::snprintf(secs, sizeof secs, "%.1f",
                   std::chrono::duration<double>(Clock::now() - start).count());
-    error_ = Who() + " waited " + secs + " s for rank " + std::to_string(peer) + " in tree " +
-             std::to_string(t) + " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) +
-             "), " + CallName() + ". A rank did not join this collective (skipped under "
+    error_ = Who() + " waited " + secs + " s for rank " + std::to_string(peer) +
+             (t == kDone ? std::string(" to finish reading this rank's buffers")
+                         : " in tree " + std::to_string(t) + " chunk " + std::to_string(chunk) + " (" +
+                               PhaseName(phase) + ")") +
+             ", " + CallName() + ". A rank did not join this collective (skipped under "
              "lax.cond?) or a peer failed. ";
     code_ = ffi::ErrorCode::kDeadlineExceeded;
     std::lock_guard<std::mutex> g(c_.mu);
@@ -517,7 +542,23 @@ class Call {
     return false;
   }
 
-  // Brackets copies from peers' `out`: a failing peer waits for its readers before it returns.
+  // This rank has read everything it reads in this call.
+  void PublishDone() {
+    Slot& s = c_.slots[rank_];
+    s.done.store(base() | 1u, std::memory_order_seq_cst);
+    if (s.waiters.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> g(s.mu); }
+      s.cv.notify_all();
+    }
+  }
+
+  // Chunks of (t, phase) that `peer` has finished in this call (after a successful Wait on it).
+  uint64_t Progress(int peer, int t, int phase) const {
+    const uint64_t v = c_.word(peer, t, phase).load(std::memory_order_acquire);
+    return (v >> 32) == g_ ? (v & 0xffffffffu) : 0;
+  }
+
+  // Brackets copies from peers' buffers: a failing peer waits for its readers before it returns.
   bool BeginRead(const int32_t* peers, int n) {
     for (int i = 0; i < n; ++i) c_.slots[peers[i]].readers.fetch_add(1);
     if (rec_.failed.load()) {
@@ -530,16 +571,18 @@ class Call {
     for (int i = 0; i < n; ++i) c_.slots[peers[i]].readers.fetch_sub(1, std::memory_order_release);
   }
 
-  // Stores this rank's progress word: chunks [0, chunks) of (t, phase) are done.
+  // Stores this rank's progress word: chunks [0, chunks) of (t, phase) are done. No lock unless a
+  // peer sleeps: the word's store and the load of `waiters` are sequentially consistent, as are a
+  // waiter's increment and its load of the word, so either this publisher sees the waiter (and
+  // takes the mutex, which the waiter holds from its check until it sleeps, then notifies) or the
+  // waiter sees the word.
   void Publish(int t, int phase, int64_t chunks) {
     Slot& s = c_.slots[rank_];
-    bool notify;
-    {
-      std::lock_guard<std::mutex> g(s.mu);
-      c_.word(rank_, t, phase).store(base() | static_cast<uint64_t>(chunks), std::memory_order_release);
-      notify = s.waiters > 0;
+    c_.word(rank_, t, phase).store(base() | static_cast<uint64_t>(chunks), std::memory_order_seq_cst);
+    if (s.waiters.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> g(s.mu); }
+      s.cv.notify_all();
     }
-    if (notify) s.cv.notify_all();
   }
 
  private:
@@ -552,7 +595,9 @@ class Call {
       failure = rec_.failure;
     }
     error_ = Who() + ": " + CallName() + " failed while this rank ";
-    if (t >= 0)
+    if (t == kDone)
+      error_ += "waited for rank " + std::to_string(peer) + " to finish reading its buffers";
+    else if (t >= 0)
       error_ += "waited for rank " + std::to_string(peer) + " in tree " + std::to_string(t) +
                 " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) + ")";
     else
@@ -574,11 +619,39 @@ class Call {
 ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
 
 // Runs the schedule for one rank (the caller has entered the call).
+//
+// On host devices every rank can read every peer's buffers, which this uses where the program's
+// semantics allow it (the results are the same bits as a hop-by-hop run):
+// - A broadcast copies from the tree's root, not from the parent: every rank's value is the
+//   root's. From the root's `in` in a broadcast-only tree (ready when the root arrives), from its
+//   `out` chunk by chunk once the root has reduced that chunk otherwise. The depth of a tree (the
+//   planner's trees for host devices are up to n-1 hops long) costs no broadcast latency.
+// - A leaf's reduce result is its own `in`: its parent reads that `in` directly, so a leaf does not
+//   copy it to `out` first, and it publishes its reduce word as soon as it arrives.
+// Words that need only this rank's operand are published at entry, before any wait.
+// Who reads whose buffers: its parent reads a leaf's `in` and a non-leaf's `out` during the reduce
+// phase; every non-root reads the root's `in` (broadcast-only) or `out` during the broadcast
+// phase (Comm::readers_of). Ranks write `out` only at indices whose readers are done with them: a
+// non-root's broadcast writes chunk c after the root published it, which is after the parent read
+// chunk c of this rank's `in` or `out` (the root reduces a chunk after its children did), and `in`
+// may be `out` (donation). A rank returns after its readers said they are done (`done` words).
 bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
                  char* out) {
   const Program& p = c.program;
   const int64_t ce = p.chunk_elems();
   const bool alias = in == out;
+  auto nkids = [&](int t, int r) {
+    const size_t ci = static_cast<size_t>(t) * c.nranks + r;
+    return c.child_begin[ci + 1] - c.child_begin[ci];
+  };
+  // At entry: the words whose data is this rank's `in`.
+  for (int t = 0; t < c.ntrees; ++t) {
+    const TreeView& tv = p.tree(t);
+    const int64_t nch = tv.num_chunks(ce);
+    if (nch == 0) continue;
+    if (tv.root == rank && tv.phases == kPhaseBroadcast) call.Publish(t, kBroadcast, nch);
+    if (tv.root != rank && (tv.phases & kPhaseReduce) && nkids(t, rank) == 0) call.Publish(t, kReduce, nch);
+  }
   if (!alias)
     for (const auto& [off, len] : c.gaps) std::memcpy(out + off * esize, in + off * esize, len * esize);
 
@@ -593,69 +666,71 @@ bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, c
     const int32_t* kids = c.child_list.data() + c.child_begin[ci];
     const int nk = c.child_begin[ci + 1] - c.child_begin[ci];
     const bool root = tv.root == rank;
-    const int parent = tv.parent[rank];
-    const int64_t seg_end = tv.seg_offset + tv.seg_len;
+    const int64_t seg_begin = tv.seg_offset * static_cast<int64_t>(esize);
+    const int64_t seg_bytes = tv.seg_len * static_cast<int64_t>(esize);
 
     if (tv.phases & kPhaseReduce) {
-      for (int64_t ch = 0; ch < nch; ++ch) {
-        const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-        for (int k = 0; k < nk; ++k)
-          if (!call.Wait(kids[k], t, kReduce, ch)) return false;
-        if (nk == 0) {
-          if (!alias) std::memcpy(out + off * esize, in + off * esize, n * esize);
-        } else {
+      if (nk == 0) {
+        // A leaf (published at entry); its `out` holds its `in` where no broadcast follows.
+        if (root || !(tv.phases & kPhaseBroadcast)) {
+          if (!alias) std::memcpy(out + seg_begin, in + seg_begin, seg_bytes);
+          if (root) {
+            call.Publish(t, kReduce, nch);
+            if (tv.phases & kPhaseBroadcast) call.Publish(t, kBroadcast, nch);
+          }
+        }
+      } else {
+        for (int64_t ch = 0; ch < nch; ++ch) {
+          const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, tv.seg_offset + tv.seg_len - off);
           for (int k = 0; k < nk; ++k)
-            kid_ptrs[k] = static_cast<const char*>(c.slots[kids[k]].out.load(std::memory_order_relaxed)) +
+            if (!call.Wait(kids[k], t, kReduce, ch)) return false;
+          // The kids' buffers of this call (published by the words just waited for): a leaf kid's
+          // value is its `in`, any other kid's its `out`.
+          for (int k = 0; k < nk; ++k)
+            kid_ptrs[k] = static_cast<const char*>(
+                              nkids(t, kids[k]) == 0 ? c.slots[kids[k]].in.load(std::memory_order_relaxed)
+                                                     : c.slots[kids[k]].out.load(std::memory_order_relaxed)) +
                           off * esize;
           if (!call.BeginRead(kids, nk)) return false;
           reduce(out + off * esize, in + off * esize, kid_ptrs.data(), nk, n);
           call.EndRead(kids, nk);
+          call.Publish(t, kReduce, ch + 1);
+          // The root's broadcast phase has nothing to do: let the others copy at once.
+          if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, ch + 1);
         }
-        call.Publish(t, kReduce, ch + 1);
-        // The root's broadcast phase has nothing to do: let its children start at once.
-        if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, ch + 1);
       }
     }
     if (tv.phases & kPhaseBroadcast) {
       if (root) {
-        if (!(tv.phases & kPhaseReduce)) {
-          if (alias) {
-            call.Publish(t, kBroadcast, nch);
-          } else {
-            for (int64_t ch = 0; ch < nch; ++ch) {
-              const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-              std::memcpy(out + off * esize, in + off * esize, n * esize);
-              call.Publish(t, kBroadcast, ch + 1);
-            }
-          }
-        }
+        // Broadcast only: peers read the root's `in` (published at entry); `out` gets it too.
+        if (!(tv.phases & kPhaseReduce) && !alias) std::memcpy(out + seg_begin, in + seg_begin, seg_bytes);
       } else {
-        const int32_t par[1] = {parent};
-        for (int64_t ch = 0; ch < nch; ++ch) {
-          const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-          if (!call.Wait(parent, t, kBroadcast, ch)) return false;
-          const char* src = static_cast<const char*>(c.slots[parent].out.load(std::memory_order_relaxed));
-          if (!call.BeginRead(par, 1)) return false;
-          std::memcpy(out + off * esize, src + off * esize, n * esize);
-          call.EndRead(par, 1);
-          call.Publish(t, kBroadcast, ch + 1);
+        const int32_t from[1] = {tv.root};
+        // Copy as much as the root has ready in one piece (all of it, in a broadcast-only tree).
+        for (int64_t ch = 0; ch < nch;) {
+          if (!call.Wait(tv.root, t, kBroadcast, ch)) return false;
+          const char* src = static_cast<const char*>(  // the root's buffer of this call
+              (tv.phases & kPhaseReduce) ? c.slots[tv.root].out.load(std::memory_order_relaxed)
+                                         : c.slots[tv.root].in.load(std::memory_order_relaxed));
+          const uint64_t ready = call.Progress(tv.root, t, kBroadcast);
+          const int64_t upto = std::min<int64_t>(nch, static_cast<int64_t>(ready));
+          const int64_t off = tv.seg_offset + ch * ce;
+          const int64_t end = std::min(tv.seg_offset + tv.seg_len, tv.seg_offset + upto * ce);
+          if (!call.BeginRead(from, 1)) return false;
+          std::memcpy(out + off * esize, src + off * esize, (end - off) * esize);
+          call.EndRead(from, 1);
+          ch = upto;
         }
       }
     }
   }
-  // Exit: nobody may still read this rank's `out`.
-  for (int t = 0; t < c.ntrees; ++t) {
-    const TreeView& tv = p.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    if (tv.phases & kPhaseBroadcast) {
-      const size_t ci = static_cast<size_t>(t) * c.nranks + rank;
-      for (int32_t i = c.child_begin[ci]; i < c.child_begin[ci + 1]; ++i)
-        if (!call.Wait(c.child_list[i], t, kBroadcast, nch - 1)) return false;
-    } else if (tv.root != rank) {
-      if (!call.Wait(tv.parent[rank], t, kReduce, nch - 1)) return false;
-    }
-  }
+  // Exit: nobody may still read this rank's buffers. Every rank publishes `done` once it has read
+  // all it reads, and waits for the `done` of each peer that reads its own (Comm::readers_of). No
+  // deadlock: a rank publishes every word of its schedule before it reaches its exit, so every
+  // schedule finishes (the order argument above) and every rank publishes `done`.
+  call.PublishDone();
+  for (int32_t peer : c.readers_of[rank])
+    if (!call.Wait(peer, kDone, 0, 0)) return false;
   return true;
 }
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
-from jax_blink import autotune, options
+from jax_blink import autotune, chunk_cache
 from jax_blink.schedule import DEFAULT_CHUNK_BYTES
 
 
@@ -122,34 +122,34 @@ def test_miad_additive_decrease_uses_the_given_backoff():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "chunks.json"
-    monkeypatch.setenv(autotune.CACHE_ENV, str(path))
-    autotune.reload()
+    monkeypatch.setenv(chunk_cache.CACHE_ENV, str(path))
+    chunk_cache.reload()
     yield path
-    autotune.reload()
+    chunk_cache.reload()
 
 
 def test_cache_round_trip_through_the_file(cache):
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 4096) is None
-    autotune.store("cpu", 4, "allreduce", jnp.float32, 4096, 8192)
-    autotune.store("cpu", 4, "allgather", "bfloat16", 1 << 20, 65536)
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 4096) == 8192
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 8191) == 8192  # same size class
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 8192) is None  # the next class
-    assert autotune.lookup("cpu", 2, "allreduce", "float32", 4096) is None
-    assert autotune.lookup("gpu", 4, "allreduce", "float32", 4096) is None
-    assert autotune.lookup("cpu", 4, "allreduce", "bfloat16", 4096) is None
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 4096) is None
+    chunk_cache.store("cpu", 4, "allreduce", jnp.float32, 4096, 8192)
+    chunk_cache.store("cpu", 4, "allgather", "bfloat16", 1 << 20, 65536)
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 4096) == 8192
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 8191) == 8192  # same size class
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 8192) is None  # the next class
+    assert chunk_cache.lookup("cpu", 2, "allreduce", "float32", 4096) is None
+    assert chunk_cache.lookup("gpu", 4, "allreduce", "float32", 4096) is None
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "bfloat16", 4096) is None
     doc = json.loads(cache.read_text())
     assert len(doc["entries"]) == 2
     assert not list(cache.parent.glob(".chunks-*"))  # the temporary file was renamed, not left
-    autotune.reload()  # from the file alone
-    assert autotune.lookup("cpu", 4, "allgather", "bfloat16", (1 << 20) + 5) == 65536
+    chunk_cache.reload()  # from the file alone
+    assert chunk_cache.lookup("cpu", 4, "allgather", "bfloat16", (1 << 20) + 5) == 65536
     # Another process's entry in the file survives our next store.
     doc["entries"].append(dict(device_kind="x", nranks=2, collective="reduce", dtype="float32",
                                size_class=3, chunk_bytes=32))
     cache.write_text(json.dumps(doc))
-    autotune.store("cpu", 4, "allreduce", "float32", 4096, 16384)
-    assert autotune.lookup("x", 2, "reduce", "float32", 4) == 32
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 4096) == 16384
+    chunk_cache.store("cpu", 4, "allreduce", "float32", 4096, 16384)
+    assert chunk_cache.lookup("x", 2, "reduce", "float32", 4) == 32
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 4096) == 16384
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"entries": 5}',
@@ -158,65 +158,10 @@ def test_corrupt_cache_is_empty(cache, text):
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(text)
     with pytest.warns(RuntimeWarning) if text.startswith("{not") else contextlib.nullcontext():
-        assert autotune.lookup("cpu", 4, "allreduce", "float32", 4096) is None
-        autotune.store("cpu", 4, "allreduce", "float32", 4096, 4096)  # and it can be overwritten
-    autotune.reload()
-    assert autotune.lookup("cpu", 4, "allreduce", "float32", 4096) == 4096
-
-
-def test_options_accept_auto_and_reject_nonsense(monkeypatch):
-    for ok in (None, "auto", 16, 1 << 20, np.int64(4096)):
-        options.Options(chunk_bytes=ok).validate()
-    for bad, msg in (("big", "auto"), ("4096", "auto"), (8, ">= 16"), (True, "whole number"),
-                     (4096.5, "whole number"), ([4096], "whole number")):
-        with pytest.raises(ValueError, match=msg):
-            options.Options(chunk_bytes=bad).validate()
-    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "AUTO")
-    assert options._from_env().chunk_bytes == "auto"
-    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "65536")
-    assert options._from_env().chunk_bytes == 65536
-    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "512K")  # the executor's units
-    assert options._from_env().chunk_bytes == 512 << 10
-    for bad in ("lots", "16MB", "-4096", "1.5M", "８"):
-        monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", bad)
-        with pytest.raises(ValueError, match="JAX_BLINK_CHUNK_BYTES"):
-            options._from_env()
-    monkeypatch.setenv("JAX_BLINK_CHUNK_BYTES", "8")  # parsed, then refused by validate(): named too
-    with pytest.raises(ValueError, match="environment: chunk_bytes must be >= 16"):
-        options._from_env()
-    monkeypatch.delenv("JAX_BLINK_CHUNK_BYTES")
-
-
-def test_options_from_the_environment_name_what_they_refuse(monkeypatch):
-    assert options.parse_byte_count("16M") == 16 << 20 and options.parse_byte_count("7") == 7
-    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="JAX_BLINK_TIMEOUT_S must be a number of seconds"):
-        options._from_env()
-    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "0")
-    with pytest.raises(ValueError, match="environment: timeout_s must be > 0"):
-        options._from_env()
-    for bad in ("inf", "nan", "1e17"):
-        monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", bad)
-        with pytest.raises(ValueError, match="environment: timeout_s must be > 0 and at most"):
-            options._from_env()
-    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "2.5")
-    assert options._from_env().timeout_s == 2.5
-    monkeypatch.setenv("JAX_BLINK_TIMEOUT_S", "")  # empty: unset, the default
-    assert options._from_env().timeout_s == options.Options().timeout_s
-    monkeypatch.setenv("JAX_BLINK_DISPATCH", " LAX ")
-    assert options._from_env().dispatch == "lax"
-    with pytest.raises(ValueError, match="not a byte count"):
-        options.parse_byte_count("8589934592G")  # past int64, as the executor refuses it
-    for text, want in (("1", True), ("ON", True), ("no", False), ("", False)):
-        monkeypatch.setenv("JAX_BLINK_COMMAND_BUFFERS", text)
-        assert options._from_env().command_buffers is want
-    monkeypatch.setenv("JAX_BLINK_COMMAND_BUFFERS", "maybe")
-    with pytest.raises(ValueError, match="JAX_BLINK_COMMAND_BUFFERS must be"):
-        options._from_env()
-    monkeypatch.delenv("JAX_BLINK_COMMAND_BUFFERS")
-    monkeypatch.setenv("JAX_BLINK_DISPATCH", "fast")
-    with pytest.raises(ValueError, match="environment: dispatch must be one of"):
-        options._from_env()
+        assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 4096) is None
+        chunk_cache.store("cpu", 4, "allreduce", "float32", 4096, 4096)  # and it can be overwritten
+    chunk_cache.reload()
+    assert chunk_cache.lookup("cpu", 4, "allreduce", "float32", 4096) == 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,10 +202,10 @@ def test_auto_uses_the_tuned_chunk_else_the_default(cache, config):
     config.chunk_bytes = None
     assert _lowered_chunks(allreduce, mesh, x) == [default]
     config.chunk_bytes = "auto"
-    autotune.store("cpu-not-this", n, "allreduce", "float32", per_rank, 4096)  # another device kind
-    autotune.store(DEVICES[0].device_kind, n, "allreduce", "float32", per_rank // 2, 4096)  # class
+    chunk_cache.store("cpu-not-this", n, "allreduce", "float32", per_rank, 4096)  # another device kind
+    chunk_cache.store(DEVICES[0].device_kind, n, "allreduce", "float32", per_rank // 2, 4096)  # class
     assert _lowered_chunks(allreduce, mesh, x) == [default]
-    autotune.store(DEVICES[0].device_kind, n, "allreduce", "float32", per_rank, 4096)
+    chunk_cache.store(DEVICES[0].device_kind, n, "allreduce", "float32", per_rank, 4096)
     assert _lowered_chunks(allreduce, mesh, x) == [4096 // 4]
     assert default != 4096 // 4
     # explain() says the same, for the device kind it is given.
@@ -283,7 +228,7 @@ def test_tune_chunk_measures_stores_and_auto_reads_it(cache, config, collective,
     assert res.log and all(t > 0 for _, t in res.log) and len(res.log) <= 12
     assert res.log[0][0] == min(DEFAULT_CHUNK_BYTES, program_bytes)  # starts at the default
     assert cache.exists()
-    assert autotune.lookup(DEVICES[0].device_kind, n, collective, "float32", program_bytes) == res.chunk_bytes
+    assert chunk_cache.lookup(DEVICES[0].device_kind, n, collective, "float32", program_bytes) == res.chunk_bytes
     # "auto" at trace time finds that entry (the key tune_chunk stores is the one a call looks up).
     fn = {"allreduce": lambda v, a: jax_blink.all_reduce(v, a),
           "allgather": lambda v, a: jax_blink.all_gather(v, a, tiled=True)[: v.shape[0]]}[collective]

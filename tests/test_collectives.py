@@ -223,6 +223,29 @@ def test_reduce_scatter_matches_lax(dim, tiled):
     _assert_close(_smap(f, mesh, P("x"), P("x"))(x), _smap(g, mesh, P("x"), P("x"))(x), "float32", N)
 
 
+@pytest.mark.skipif(N != 8, reason="the DGX-1V preset has 8 devices")
+@pytest.mark.parametrize("collective", ["allgather", "reducescatter"])
+def test_gather_and_scatter_through_the_planners_trees(collective):
+    """On host devices all-gather and reduce-scatter take one star per segment; given a topology
+    of other links (the DGX-1V: n-1 trees per segment, some several hops deep) the executor runs
+    the planner's trees, and the results are the same."""
+    from jax_blink import collectives as C
+
+    topo = jax_blink.Topology.preset("dgx1v")
+    assert not C._shared_memory(topo) and C._shared_memory(jax_blink.Topology.host(N))
+    trees = C._program(topo, collective, None, N * 64, 4, None, "exact")[2]
+    assert trees > N  # several trees per segment: the trees path, not the stars
+    mesh = _mesh((N, "x"))
+    x = _put(mesh, _random(np.random.default_rng(23), (N * 3, N * 16), "float32"), P("x"))
+    if collective == "allgather":
+        f = lambda v: jax_blink.all_gather(v, "x", axis=1, tiled=True, topology=topo)  # noqa: E731
+        g = lambda v: lax.all_gather(v, "x", axis=1, tiled=True)  # noqa: E731
+    else:
+        f = lambda v: jax_blink.reduce_scatter(v, "x", scatter_dimension=1, tiled=True, topology=topo)  # noqa: E731
+        g = lambda v: lax.psum_scatter(v, "x", scatter_dimension=1, tiled=True)  # noqa: E731
+    _assert_close(_smap(f, mesh, P("x"), P("x"))(x), _smap(g, mesh, P("x"), P("x"))(x), "float32", N)
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: clear errors at trace time.
 
@@ -489,8 +512,12 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="different machines"):
         tuning.derive([a, b])
     c = _bench_json(tmp_path / "broadcast-c.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
-    with pytest.raises(ValueError, match="not an all-reduce bench run"):  # by its name: no meta
-        tuning.derive([c])
+    assert tuning.derive([c]).collective == "broadcast"  # by its name: no collective in its meta
+    with pytest.raises(ValueError, match="different collectives"):
+        tuning.derive([a, c])
+    h = _bench_json(tmp_path / "alltoall-h.json", "GPU X", 2, [(1024, "float32", 0.5, None)])
+    with pytest.raises(ValueError, match="a bench run of 'alltoall', not of a collective the table holds"):
+        tuning.derive([h])
     with pytest.raises(ValueError, match="not a readable bench result"):
         tuning.derive([str(tmp_path / "allreduce-missing.json")])
     (tmp_path / "allreduce-bad.json").write_text("{")
@@ -506,8 +533,8 @@ def test_derive_rejects_mixed_or_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="had 3 wrong elements"):
         tuning.derive([str(tmp_path / "allreduce-f.json")])
     (tmp_path / "allreduce-g.json").write_text(json.dumps(dict(
-        meta=dict(device_kind="GPU X", n=2, collective="broadcast"), rows=[])))
-    with pytest.raises(ValueError, match=r"not an all-reduce bench run \(broadcast\)"):
+        meta=dict(device_kind="GPU X", n=2, collective="gather"), rows=[])))
+    with pytest.raises(ValueError, match=r"a bench run of 'gather'"):  # the meta decides, not the name
         tuning.derive([str(tmp_path / "allreduce-g.json")])
 
 
@@ -558,9 +585,11 @@ def test_vmap_matches_lax(name):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), collective=st.sampled_from(["allreduce", "broadcast", "reduce"]))
+@given(seed=st.integers(0, 2**31 - 1),
+       collective=st.sampled_from(["allreduce", "broadcast", "reduce", "allgather", "reducescatter"]))
 def test_random_topologies_through_the_executor(seed, collective):
-    """Plans over random connected link graphs (deep, uneven trees) run by the executor."""
+    """Plans over random connected link graphs (deep, uneven trees) run by the executor (all-gather
+    and reduce-scatter through each segment's trees: on host devices they take one star each)."""
     import networkx as nx
 
     rng = np.random.default_rng(seed)
@@ -569,21 +598,28 @@ def test_random_topologies_through_the_executor(seed, collective):
     topo = jax_blink.Topology.from_links(links)
     root = int(rng.integers(0, N))
     mesh = _mesh((N, "x"))
-    x = _put(mesh, _random(rng, (N, 1000 + int(rng.integers(0, 100))), "float32"), P("x"))
+    x = _put(mesh, _random(rng, (N, N * (100 + int(rng.integers(0, 10)))), "float32"), P("x"))
     host = np.asarray(x, np.float64)
+    k = host.shape[1] // N
     if collective == "allreduce":
         fn = lambda v: jax_blink.all_reduce(v, "x", topology=topo)  # noqa: E731
         want = np.broadcast_to(host.sum(0), host.shape)
     elif collective == "broadcast":
         fn = lambda v: jax_blink.broadcast(v, "x", root=root, topology=topo)  # noqa: E731
         want = np.broadcast_to(host[root], host.shape)
-    else:
+    elif collective == "reduce":
         fn = lambda v: jax_blink.reduce(v, "x", root=root, topology=topo)  # noqa: E731
         want = host.copy()
         want[root] = host.sum(0)
+    elif collective == "allgather":
+        fn = lambda v: jax_blink.all_gather(v, "x", tiled=True, topology=topo)  # noqa: E731
+        want = np.tile(host, (N, 1))
+    else:
+        fn = lambda v: jax_blink.reduce_scatter(v, "x", scatter_dimension=1, tiled=True, topology=topo)  # noqa: E731
+        want = host.sum(0).reshape(N, k)
     got = _smap(fn, mesh, P("x"), P("x"))(x)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-4)
-    if collective != "reduce":
+    if collective in ("allreduce", "broadcast"):
         _assert_same_on_every_rank(got)
 
 

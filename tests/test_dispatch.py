@@ -1,0 +1,94 @@
+"""The dispatch table (jax_blink.tuning) for every collective: entries per collective, sizes as a
+rank's operand bytes, derived from bench runs of that collective, and consulted by each
+collective for itself."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+from jax_blink import tuning
+
+DEVICES = jax.devices()
+N = min(4, len(DEVICES))
+K = 1 << 10
+
+
+def _bench_json(path, collective, n, points):
+    """A bench result file as the bench writes it: points are (size column, dtype, speedup)."""
+    rows = [dict(size=s, dtype=d, n=n, speedup=t, slope_speedup=t, wrong=0) for s, d, t in points]
+    path.write_text(json.dumps(dict(meta=dict(device_kind="cpu", n=n, collective=collective), rows=rows)))
+    return str(path)
+
+
+def test_derive_reads_each_collective_and_counts_operand_bytes(tmp_path):
+    # The bench's size column is all-gather's output (n x the operand): the table counts operands.
+    ag = _bench_json(tmp_path / "allgather-a.json", "allgather", 4, [
+        (4 * K, "float32", 0.5), (16 * K, "float32", 0.5), (64 * K, "float32", 2.0)])
+    c = tuning.derive([ag])
+    assert c.collective == "allgather" and c.ranks == 4
+    assert c.lax_ranges == ((0, 8 * K),)  # operands 1, 4, 16 KiB: lax below sqrt(4K * 16K)
+    rs = _bench_json(tmp_path / "reducescatter-b.json", "reducescatter", 4, [
+        (4 * K, "float32", 0.5), (16 * K, "float32", 0.5), (64 * K, "float32", 2.0)])
+    assert tuning.derive([rs]).lax_ranges == ((0, 32 * K),)  # the operand is the size column
+    # The form the table holds, read back.
+    assert eval(c.as_code(), {"Crossover": tuning.Crossover}) == c  # noqa: S307 (our own output)
+    ar = tuning.derive([_bench_json(tmp_path / "allreduce-c.json", "allreduce", 2, [(K, "float32", 0.5)])])
+    assert "collective=" not in ar.as_code() and eval(ar.as_code(), {"Crossover": tuning.Crossover}) == ar  # noqa: S307
+
+
+def test_prefer_lax_is_per_collective(monkeypatch):
+    table = (tuning.Crossover("Some CPU", 4, ((0, 64 * K),), ("test",), "allgather"),
+             tuning.Crossover("Some CPU", 4, ((1 << 20, None),), ("test",), "allreduce"))
+    monkeypatch.setattr(tuning, "CROSSOVERS", table)
+    assert tuning.prefer_lax("Some CPU", 4, 4 * K, collective="allgather")
+    assert not tuning.prefer_lax("Some CPU", 4, 4 * K)  # all-reduce: the default collective
+    assert tuning.prefer_lax("Some CPU", 4, 2 << 20, collective="allreduce")
+    assert not tuning.prefer_lax("Some CPU", 4, 2 << 20, collective="allgather")
+    assert not tuning.prefer_lax("Some CPU", 4, 4 * K, collective="broadcast")  # not measured
+    assert tuning.entry("Some CPU", 4, "allgather") is table[0]
+    with pytest.raises(ValueError, match="collective 'gather' is not one of the table's"):
+        tuning.prefer_lax("Some CPU", 4, 4 * K, collective="gather")
+
+
+def test_every_table_entry_names_a_collective_and_each_is_measured():
+    assert {c.collective for c in tuning.CROSSOVERS} <= set(tuning.COLLECTIVES)
+    keys = [(c.device_kind, c.ranks, c.collective) for c in tuning.CROSSOVERS]
+    assert len(keys) == len(set(keys)), "one entry per machine and collective"
+    cpu = {(c.ranks, c.collective) for c in tuning.CROSSOVERS if c.device_kind == "cpu"}
+    assert cpu == {(n, coll) for n in (2, 4, 8) for coll in tuning.COLLECTIVES}
+
+
+CALLS = {
+    "allreduce": lambda v: jax_blink.all_reduce(v, "x"),
+    "broadcast": lambda v: jax_blink.broadcast(v, "x"),
+    "reduce": lambda v: jax_blink.reduce(v, "x"),
+    "allgather": lambda v: jax_blink.all_gather(v, "x", tiled=True),
+    "reducescatter": lambda v: jax_blink.reduce_scatter(v, "x", tiled=True),
+}
+
+
+@pytest.mark.skipif(N < 2, reason="needs 2+ devices")
+@pytest.mark.parametrize("collective", sorted(CALLS))
+def test_each_collective_consults_the_table_for_itself(monkeypatch, collective):
+    """auto dispatch: a call goes to lax exactly where its own collective's entry says so, by the
+    bytes of its operand (an entry of another collective changes nothing)."""
+    mesh = jax.make_mesh((N,), ("x",), devices=DEVICES[:N])
+    kind = DEVICES[0].device_kind
+    x = jax.device_put(np.ones((N * N, 4), np.float32), NamedSharding(mesh, P("x")))
+    nbytes = N * 4 * 4  # a rank's operand
+
+    def lowered():  # a new function each time: the table is read when jit traces
+        f = jax.shard_map(CALLS[collective], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        return jax.jit(f).lower(x).as_text()
+
+    monkeypatch.setattr(jax_blink.config, "dispatch", "auto")
+    others = tuple(tuning.Crossover(kind, N, ((0, None),), ("test",), c) for c in CALLS if c != collective)
+    below = tuning.Crossover(kind, N, ((0, nbytes),), ("test",), collective)
+    monkeypatch.setattr(tuning, "CROSSOVERS", others + (below,))
+    assert "jax_blink_collective" in lowered()  # its entry ends just below this operand
+    above = tuning.Crossover(kind, N, ((nbytes, 2 * nbytes),), ("test",), collective)
+    monkeypatch.setattr(tuning, "CROSSOVERS", others + (above,))
+    assert "jax_blink_collective" not in lowered()

@@ -1,8 +1,9 @@
 """The documents tell the truth about the repository:
 
 * every ```python block of README.md runs, as written, in a fresh interpreter on 8 CPU host devices
-  and prints something (a block that needs GPUs or a multi-process launcher says so on its first
-  line, ``# needs: gpu`` / ``# needs: launcher``, and is reported as skipped here);
+  and prints something (a block that needs GPUs says so on its first line, ``# needs: gpu``, and
+  is skipped without them; a ``# needs: launcher`` block is a program started once per process,
+  ``python prog.py PROCESS_ID NUM_PROCESSES``: it runs here as a job of 2 processes of 2 host devices);
 * every file a document cites (README.md, docs/DESIGN.md) exists;
 * nothing in the repository points outside it (the design document is docs/DESIGN.md);
 * the README documents every environment variable the package and the executors read.
@@ -83,15 +84,44 @@ def _block_param(line, code, needs):
 
 @pytest.mark.parametrize("line,code,needs", [_block_param(*b) for b in BLOCKS])
 def test_readme_block_runs(line, code, needs, tmp_path):
-    if needs == "launcher":
-        pytest.skip(f"README.md line {line}: {KNOWN_NEEDS[needs]} (marked '# needs: launcher')")
     env = _host_device_env()
+    if needs == "launcher":
+        _run_as_job(line, code, env, tmp_path)
+        return
     if needs == "gpu":
         del env["JAX_PLATFORMS"]
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, f"README.md block at line {line} failed:\n{out.stdout}\n{out.stderr}"
     assert out.stdout.strip(), f"README.md block at line {line} prints nothing: show the result"
+
+
+def _run_as_job(line, code, env, tmp_path, nprocs: int = 2) -> None:
+    """Run a launcher block as the README launches it: ``nprocs`` processes of 2 host devices,
+    ``prog.py PROCESS_ID NUM_PROCESSES``, on a free loopback port (the block's 12345 replaced)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert "127.0.0.1:12345" in code, f"README.md line {line}: a launcher block starts its job on 127.0.0.1:12345"
+    prog = tmp_path / "prog.py"
+    prog.write_text(code.replace("127.0.0.1:12345", f"127.0.0.1:{port}"))
+    env = dict(env, XLA_FLAGS=env["XLA_FLAGS"].replace(f"count={N_HOST_DEVICES}", "count=2"))
+    procs = [subprocess.Popen([sys.executable, str(prog), str(i), str(nprocs)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for i in range(nprocs)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240))
+    finally:
+        for p in procs:  # a process left waiting for a dead peer is killed with its group
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"README.md block at line {line}, process {i} failed:\n{out}\n{err}"
+        assert out.strip(), f"README.md block at line {line}, process {i} prints nothing"
 
 
 # ---------------------------------------------------------------------------------------------

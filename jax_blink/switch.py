@@ -58,6 +58,7 @@ _was_uncacheable: dict[str, bool] = {}
 _installed = False
 _decisions: collections.deque = collections.deque(maxlen=10_000)
 _warned: set[str] = set()
+_chain = _jx.CallChain()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,8 +332,10 @@ def _lower(ctx, body, *args):
     custom calls at once, in an order of its choosing per device, and calls that block for their
     peers can then wait on each other in a cycle (seen: FSDP + TP gradients on a 4 x 2 mesh)."""
     sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, _jx.int32_scalar_aval()])
-    position = _jx.after_last_call(_jx.device_position(ctx), _backends.TARGET)
-    return mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    position = _chain.after(ctx, _jx.device_position(ctx))
+    outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    _chain.record(ctx, outs[0])
+    return outs
 
 
 _POSITIONAL_REDUCE = {"sum": lax.reduce_sum, "max": lax.reduce_max, "min": lax.reduce_min}

@@ -248,6 +248,20 @@ def test_equal_independent_collectives_each_have_their_own_call_site():
         np.testing.assert_array_equal(got, np.asarray(w))
 
 
+def test_calls_of_one_block_wait_for_each_other_in_emission_order():
+    """Independent calls of one block are chained (the rank operand of each waits for the previous
+    call's result): XLA:CPU must not start them in a different order on different devices."""
+    mesh = _mesh((4, 2), ("x", "y"))
+    x = _put(mesh, _rand(50, (4, 2, 6)), P("x", "y"))
+    fn = _smap(lambda v: (lax.psum(v, "x"), lax.psum(v, "y"), lax.psum(v * 2, "x")),
+               mesh, P("x", "y"), (P(None, "y"), P("x"), P(None, "y")))
+    with jax_blink.installed(), override(dispatch="blink"):
+        text = fn.lower(x).as_text()
+        got = jax.tree.map(np.asarray, fn(x))
+    assert text.count(f"@{TARGET}(") == 3 and text.count("stablehlo.optimization_barrier") == 2
+    _assert_same(got, jax.tree.map(np.asarray, fn(x)))
+
+
 # ---------------------------------------------------------------------------------------------
 # AD, vmap, pytrees, groups, result types, errors.
 

@@ -101,6 +101,17 @@ def inline_of(entry) -> bool:
     return entry.inline
 
 
+def lowering_for_export(ctx) -> bool:
+    """Whether jax lowers this module for jax.export (ModuleContext.lowering_parameters.for_export):
+    a serialized program may run where no jax_blink executor is registered."""
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
+def lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms the module is lowered for (more than one only when exporting)."""
+    return tuple(ctx.module_context.platforms)
+
+
 def manual_mesh(ctx) -> tuple[tuple[str, ...], tuple[int, ...], frozenset] | None:
     """(axis names, axis sizes, manual axes) of the mesh a rule is lowered in, or None when the
     rule is not lowered inside a shard_map / pmap body."""

@@ -451,6 +451,34 @@ def test_platform_without_executor_goes_to_xla(monkeypatch):
     assert d.runs_on == "xla" and "no cpu executor" in d.reason
 
 
+def test_export_and_cross_platform_lowering_go_to_xla():
+    """A program serialized with jax.export, or lowered for GPUs this process does not have, must
+    not hold a call that only this process's registrations can run."""
+    mesh = _mesh()
+    x = _put(mesh, _rand(30, (N, 4)), P("x"))
+    f = _smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P())
+    with jax_blink.installed(), override(dispatch="blink"):
+        jax_blink.switch_report(clear=True)
+        exported = jax.export.export(f)(x)
+        (d,) = jax_blink.switch_report(clear=True)
+        assert d.runs_on == "xla" and "jax.export" in d.reason
+        assert TARGET not in exported.mlir_module()
+        np.testing.assert_allclose(np.asarray(exported.call(x)), np.asarray(x).sum(0, keepdims=True),
+                                   rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="lowers for GPUs that this process lacks")
+def test_lowering_for_devices_this_process_lacks_goes_to_xla():
+    mesh = _mesh()
+    x = _put(mesh, _rand(31, (N, 4)), P("x"))
+    f = _smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P())
+    with jax_blink.installed(), override(dispatch="blink"):
+        jax_blink.switch_report(clear=True)
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        (d,) = jax_blink.switch_report(clear=True)
+    assert d.runs_on == "xla" and "0 gpu device(s)" in d.reason and TARGET not in text
+
+
 def test_axis_of_one_device_goes_to_xla():
     mesh = _mesh((1, N), ("one", "x"))
     x = _put(mesh, _rand(22, (1, N, 3)), P("one", "x"))

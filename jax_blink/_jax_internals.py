@@ -101,6 +101,17 @@ def inline_of(entry) -> bool:
     return entry.inline
 
 
+def lowering_for_export(ctx) -> bool:
+    """Whether jax lowers this module for jax.export (ModuleContext.lowering_parameters.for_export):
+    a serialized program may run where no jax_blink executor is registered."""
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
+def lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms the module is lowered for (more than one only when exporting)."""
+    return tuple(ctx.module_context.platforms)
+
+
 def manual_mesh(ctx) -> tuple[tuple[str, ...], tuple[int, ...], frozenset] | None:
     """(axis names, axis sizes, manual axes) of the mesh a rule is lowered in, or None when the
     rule is not lowered inside a shard_map / pmap body."""
@@ -125,22 +136,44 @@ def device_position(ctx):
     return _hlo.convert(i32, _hlo.partition_id())
 
 
-def after_last_call(value, target_prefix: str):
-    """``value`` made to depend on the result of the last custom call to a ``target_prefix*``
-    target emitted so far in the block being built (``value`` itself if there is none): an
-    ``optimization_barrier`` of both, which XLA keeps, so that XLA runs the calls of one block in
-    the order they were emitted, on every device. (The block is MLIR's insertion point.)"""
-    block = _ir.InsertionPoint.current.block
-    ops = block.operations
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i]
-        if op.name != "stablehlo.custom_call":
-            continue
-        target = _ir.StringAttr(op.attributes["call_target_name"]).value
-        if target.startswith(target_prefix):
-            barrier = _hlo.OptimizationBarrierOp([value, op.results[0]])
-            return barrier.results[0]
-    return value
+class CallChain:
+    """The last jax_blink call emitted in each block of the modules being lowered, so that the next
+    call of the same block can wait for it (:meth:`after`, :meth:`record`).
+
+    Keyed by MLIR block, per module; the most recent modules only, held by a strong reference
+    while they are in here so that no block of a freed module can be mistaken for a new one."""
+
+    def __init__(self, modules: int = 4):
+        import threading
+        self._lock = threading.Lock()
+        self._modules: list[tuple[object, dict]] = []  # (ir.Module, {block: value}), newest last
+        self._keep = modules
+
+    def _blocks(self, ctx) -> dict:
+        module = ctx.module_context.module  # one ir.Module object per lowering, kept by replace()
+        for m, blocks in self._modules:
+            if m is module:
+                return blocks
+        blocks: dict = {}
+        self._modules = [*self._modules[-(self._keep - 1):], (module, blocks)]
+        return blocks
+
+    def after(self, ctx, value):
+        """``value`` made to depend on the block's last recorded call (``value`` if none): an
+        ``optimization_barrier`` of both, which XLA keeps, so that XLA runs the calls of one block
+        in the order they were emitted, on every device."""
+        block = _ir.InsertionPoint.current.block
+        with self._lock:
+            last = self._blocks(ctx).get(block)
+        if last is None:
+            return value
+        return _hlo.OptimizationBarrierOp([value, last]).results[0]
+
+    def record(self, ctx, value) -> None:
+        """``value`` (an output of a call just emitted in the current block) is the one to wait for."""
+        block = _ir.InsertionPoint.current.block
+        with self._lock:
+            self._blocks(ctx)[block] = value
 
 
 def int32_scalar_aval():

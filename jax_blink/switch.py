@@ -58,6 +58,7 @@ _was_uncacheable: dict[str, bool] = {}
 _installed = False
 _decisions: collections.deque = collections.deque(maxlen=10_000)
 _warned: set[str] = set()
+_chain = _jx.CallChain()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +220,15 @@ def _executor_problem(exec_platform: str, n: int) -> str | None:
     return None
 
 
+def _devices(exec_platform: str) -> list:
+    try:
+        return jax.devices(exec_platform)
+    except RuntimeError:  # no backend of that platform in this process
+        return []
+
+
 def _device_kind(exec_platform: str) -> str | None:
-    devices = jax.devices(exec_platform)
+    devices = _devices(exec_platform)
     return devices[0].device_kind if devices else None
 
 
@@ -237,6 +245,10 @@ def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Pla
 
     if params.get("is_async"):
         return to_xla("asynchronous collectives (start/done pairs) stay XLA's")
+    if _jx.lowering_for_export(ctx):
+        return to_xla("lowered for jax.export: the serialized program may run without jax_blink")
+    if len(_jx.lowering_platforms(ctx)) > 1:
+        return to_xla(f"lowered for several platforms at once {_jx.lowering_platforms(ctx)}")
     positional = tuple(a for a in axes if isinstance(a, int))
     named = tuple(a for a in axes if not isinstance(a, int))
     if not named:
@@ -270,6 +282,10 @@ def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Pla
         nbytes //= max(1, int(np.prod([shape[a] for a in positional])))
     if nbytes == 0:
         return to_xla("an empty operand")
+    devices = _devices(exec_platform)
+    if len(devices) < n:
+        return to_xla(f"{len(devices)} {exec_platform} device(s) in this process for an axis of {n} ranks "
+                      "(lowered for devices this process does not have)")
     problem = _executor_problem(exec_platform, n)
     if problem is not None:
         _say(f"jax_blink: {problem}; the switch leaves collectives on {platform} to XLA")
@@ -331,8 +347,10 @@ def _lower(ctx, body, *args):
     custom calls at once, in an order of its choosing per device, and calls that block for their
     peers can then wait on each other in a cycle (seen: FSDP + TP gradients on a 4 x 2 mesh)."""
     sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, _jx.int32_scalar_aval()])
-    position = _jx.after_last_call(_jx.device_position(ctx), _backends.TARGET)
-    return mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    position = _chain.after(ctx, _jx.device_position(ctx))
+    outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    _chain.record(ctx, outs[0])
+    return outs
 
 
 _POSITIONAL_REDUCE = {"sum": lax.reduce_sum, "max": lax.reduce_max, "min": lax.reduce_min}

@@ -183,12 +183,11 @@ _SMAP_CASES = {
 }
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("name", sorted(_SMAP_CASES))
+@pytest.mark.parametrize("name,check_vma", [(n, c) for n in sorted(_SMAP_CASES) for c in (True, False)
+                                            # to="invarying" is a type of shard_map's checks
+                                            if c or n != "all_gather_invariant"])
 def test_shard_map_collectives(name, check_vma):
     fn, out_spec = _SMAP_CASES[name]
-    if name == "all_gather_invariant" and not check_vma:
-        pytest.skip("to='invarying' is a type under shard_map's checks (check_vma=True)")
     mesh = _mesh()
     x = _put(mesh, _rand(2, (N, N, 2 * N)), P("x"))
     plain, switched, hlo, comms = _both(_smap(fn, mesh, P("x"), out_spec, check_vma=check_vma), x)
@@ -247,6 +246,20 @@ def test_equal_independent_collectives_each_have_their_own_call_site():
     assert comms == 8
     for w, got in zip(ws, switched[:4]):
         np.testing.assert_array_equal(got, np.asarray(w))
+
+
+def test_calls_of_one_block_wait_for_each_other_in_emission_order():
+    """Independent calls of one block are chained (the rank operand of each waits for the previous
+    call's result): XLA:CPU must not start them in a different order on different devices."""
+    mesh = _mesh((4, 2), ("x", "y"))
+    x = _put(mesh, _rand(50, (4, 2, 6)), P("x", "y"))
+    fn = _smap(lambda v: (lax.psum(v, "x"), lax.psum(v, "y"), lax.psum(v * 2, "x")),
+               mesh, P("x", "y"), (P(None, "y"), P("x"), P(None, "y")))
+    with jax_blink.installed(), override(dispatch="blink"):
+        text = fn.lower(x).as_text()
+        got = jax.tree.map(np.asarray, fn(x))
+    assert text.count(f"@{TARGET}(") == 3 and text.count("stablehlo.optimization_barrier") == 2
+    _assert_same(got, jax.tree.map(np.asarray, fn(x)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +449,34 @@ def test_platform_without_executor_goes_to_xla(monkeypatch):
     assert TARGET not in hlo and comms == 0
     (d,) = jax_blink.switch_report()
     assert d.runs_on == "xla" and "no cpu executor" in d.reason
+
+
+def test_export_and_cross_platform_lowering_go_to_xla():
+    """A program serialized with jax.export, or lowered for GPUs this process does not have, must
+    not hold a call that only this process's registrations can run."""
+    mesh = _mesh()
+    x = _put(mesh, _rand(30, (N, 4)), P("x"))
+    f = _smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P())
+    with jax_blink.installed(), override(dispatch="blink"):
+        jax_blink.switch_report(clear=True)
+        exported = jax.export.export(f)(x)
+        (d,) = jax_blink.switch_report(clear=True)
+        assert d.runs_on == "xla" and "jax.export" in d.reason
+        assert TARGET not in exported.mlir_module()
+        np.testing.assert_allclose(np.asarray(exported.call(x)), np.asarray(x).sum(0, keepdims=True),
+                                   rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="lowers for GPUs that this process lacks")
+def test_lowering_for_devices_this_process_lacks_goes_to_xla():
+    mesh = _mesh()
+    x = _put(mesh, _rand(31, (N, 4)), P("x"))
+    f = _smap(lambda v: lax.psum(v, "x"), mesh, P("x"), P())
+    with jax_blink.installed(), override(dispatch="blink"):
+        jax_blink.switch_report(clear=True)
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        (d,) = jax_blink.switch_report(clear=True)
+    assert d.runs_on == "xla" and "0 gpu device(s)" in d.reason and TARGET not in text
 
 
 def test_axis_of_one_device_goes_to_xla():

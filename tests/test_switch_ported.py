@@ -18,11 +18,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PORTED = ROOT / "tests" / "jax_ported"
 
+#: The jax version whose tests/pmap_test.py and tests/shard_map_test.py are in tests/jax_ported.
+VENDORED_JAX = "0.10.2"
 _PMAP = "tests/jax_ported/pmap_test.py::PythonPmapTest::"
 _SMAP = "tests/jax_ported/shard_map_test.py::ShardMapTest::"
 #: The CI selection: psum / pmean / pmax / pmin / all_gather / psum_scatter in pmap and shard_map,
@@ -39,7 +42,9 @@ CI_CASES = [_PMAP + t for t in (
     "test_fanin_psum_transposes_to_fanout", "test_repeated_psum_allowed", "test_pmin", "test_pmax",
     "test_check_rep_false_grads", "test_vmap_shmap_psum")]
 #: Cases whose collectives all stay XLA's, and why (the switch's reason must say so).
-XLA_ONLY = {"testComplexPsum": "dtype complex64"}
+XLA_ONLY = {"testComplexPsum": "dtype complex64",
+            "testPsumUnevenReplicaGroups": "axis_index_groups of unequal sizes",
+            "test_vmap_shmap_psum": "partially manual shard_map"}
 _FULL_K = "gather or scatter or psum or pmean or pmax or pmin or collective or grad or vmap or Gather " \
           "or Scatter or Psum or Pmean or Pmax or Pmin or Collective or Grad or Vmap or AllReduce"
 
@@ -60,8 +65,11 @@ def test_jax_own_collective_tests_pass_as_without_the_switch(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
                        cwd=ROOT, capture_output=True, text=True, timeout=7200 if full else 600,
                        env=_env(JAX_BLINK_PORTED="1", JAX_BLINK_PORTED_REPORT=str(report)))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    cases = json.loads(report.read_text())
+    cases = json.loads(report.read_text()) if report.exists() else {}
+    if jax.__version__ == VENDORED_JAX:
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    else:  # jax's tests of another version may fail with and without the switch alike
+        assert cases, r.stdout[-6000:] + r.stderr[-3000:]
     if not full:
         assert sorted(k.split("::")[-1] for k in cases) == sorted(c.split("::")[-1] for c in CI_CASES)
     for name, rec in cases.items():

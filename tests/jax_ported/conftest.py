@@ -59,6 +59,7 @@ def _twin(test_id: str, method):
             "decisions": [{"primitive": d.primitive, "runs_on": d.runs_on, "reason": d.reason,
                            "dtype": d.dtype} for d in decisions],
         }
+        _write_report()  # after every case, so that a run cut short still leaves its record
         if plain[0] != switched[0]:
             raise AssertionError(f"without the switch: {plain[0]} {plain[1]!r}; "
                                  f"with it: {switched[0]} {switched[1]!r}")
@@ -83,8 +84,13 @@ def pytest_pycollect_makeitem(collector, name, obj):
     return None  # pytest collects the class as usual
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _write_report() -> None:
     path = os.environ.get("JAX_BLINK_PORTED_REPORT")
     if ENABLED and path:
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(_records, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _write_report()

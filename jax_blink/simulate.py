@@ -44,12 +44,14 @@ The model leaves out the reduction's arithmetic, kernel launch costs and NCCL's 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 
+from .hierarchy import NET_ALPHA_US
 from .topology import DGX1_PCIE_GBPS, LINK_LATENCY_US, Topology
 
 __all__ = ["RingPlan", "rings", "time_us", "best_time", "compare", "algbw", "MODEL", "COLLECTIVES"]
@@ -472,3 +474,45 @@ def compare(topology: Topology, collective: str, nbytes: float = 500e6, *, root:
         "ring_chunk": rc,
         "speedup": rt / tt if tt > 0 else math.nan,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model of jax_blink.hierarchy: k hosts of 8 GPUs, three phases against a flat ring and
+# hierarchical rings (a tool: the call path never imports it).
+
+@functools.lru_cache(maxsize=None)
+def _inside(inside):
+    from .treegen import plan as make_plan
+
+    return make_plan(inside, "allreduce"), rings(inside)
+
+
+def model_times_us(hosts: int, net_gbps: float, nbytes: float, inside=None) -> dict[str, float]:
+    """Modelled time (us) of an all-reduce of ``nbytes`` per GPU over ``hosts`` hosts whose GPUs
+    are linked as ``inside`` (a Topology; default the DGX-1V preset, 8 GPUs), each GPU with its
+    own NIC of ``net_gbps`` GB/s per direction (latency :data:`NET_ALPHA_US`):
+
+    * ``blink_3phase`` (what :func:`jax_blink.hierarchy.all_reduce` runs): Blink's all-reduce trees inside the host
+      (their reduce half is the reduce-scatter, their broadcast half the all-gather:
+      :func:`time_us`), plus a ring all-reduce among hosts of each GPU's piece
+      (S / L) over its own NIC: ``2(H-1) * (alpha_net + S / (L * H * B))``.
+    * ``nccl_hier_rings``: NCCL's hierarchical rings: a ring reduce-scatter inside the host
+      (``(L-1) * (alpha + S / (L * R))``, R the host's total ring rate), the same inter-host ring
+      of S / L per GPU, and a ring all-gather.
+    * ``flat_ring``: NCCL's flat rings over all H * L GPUs, as many rings as the host has, each
+      crossing the host boundary through one NIC: ``2(N-1) * (alpha_net + S / (N * B_rings))``
+      with ``B_rings = rings * min(ring rate, B)``.
+    """
+    topo = inside if inside is not None else Topology.preset("dgx1v")
+    p, rp = _inside(topo)
+    L, H, S = topo.n, hosts, float(nbytes)
+    bpu = MODEL["bytes_per_us_per_gbps"]
+    alpha_in = MODEL["alpha_us"]["nvlink"]
+    inter = 2 * (H - 1) * (NET_ALPHA_US + (S / L) / (H * net_gbps * bpu)) if H > 1 else 0.0
+    blink = time_us(p, "allreduce", S) + inter
+    rs_ring = (L - 1) * (alpha_in + S / (L * rp.rate * bpu))
+    hier = 2 * rs_ring + inter
+    N = H * L
+    b_rings = rp.num_rings * min(min(rp.rates), net_gbps) if H > 1 else rp.rate
+    flat = 2 * (N - 1) * ((NET_ALPHA_US if H > 1 else alpha_in) + S / (N * b_rings * bpu))
+    return {"blink_3phase": blink, "nccl_hier_rings": hier, "flat_ring": flat}

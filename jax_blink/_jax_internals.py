@@ -180,3 +180,13 @@ def int32_scalar_aval():
     """The abstract value of :func:`device_position` (plain, outside any mesh)."""
     import jax
     return jax.core.ShapedArray((), np.int32)
+
+
+# jax._src.interpreters.batching.BatchTracer: the value of ``lax.axis_index`` over an axis that
+# ``vmap`` binds (an axis the executors have no devices for) is one of these.
+from jax._src.interpreters import batching as _batching  # noqa: E402
+
+
+def is_vmap_batched(value) -> bool:
+    """Whether ``value`` is being batched by ``vmap`` at this point of the trace."""
+    return isinstance(value, _batching.BatchTracer)

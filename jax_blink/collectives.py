@@ -386,9 +386,14 @@ def _on_mesh(axes: tuple[str, ...]) -> bool:
     try:
         mesh = jax.sharding.get_abstract_mesh()
         names, manual = tuple(mesh.axis_names), set(getattr(mesh, "manual_axes", mesh.axis_names))
-    except Exception:  # no mesh in context: nothing to tell the axes apart by
-        return True
-    return not names or all(a in manual for a in axes)
+    except Exception:  # older jax: no abstract mesh
+        names, manual = (), set()
+    if names:
+        return all(a in manual for a in axes)
+    # No mesh in context (pmap where jax does not run it as a shard_map, or vmap alone): an axis
+    # that vmap binds gives a batched index.
+    from ._jax_internals import is_vmap_batched
+    return not any(is_vmap_batched(lax.axis_index(a)) for a in axes)
 
 
 @_distributed.in_program_order

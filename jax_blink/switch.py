@@ -293,9 +293,8 @@ def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Pla
     if config.dispatch == "lax":
         return to_xla("dispatch=lax (JAX_BLINK_DISPATCH or jax_blink.config.dispatch)")
     kind = _device_kind(exec_platform)
-    if (_KIND[name] == "allreduce" and config.dispatch == "auto"
-            and tuning.prefer_lax(kind, n, nbytes)):
-        return to_xla(f"dispatch=auto: XLA's all-reduce was measured faster at {nbytes} bytes per "
+    if config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes, _KIND[name]):
+        return to_xla(f"dispatch=auto: XLA's {_KIND[name]} was measured faster at {nbytes} bytes per "
                       f"rank on {n} x {kind} (jax_blink/tuning.py)")
     rank_of = np.full(mesh_size, -1, np.int32)
     group_of = np.full(mesh_size, -1, np.int32)

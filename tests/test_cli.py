@@ -191,6 +191,8 @@ def test_plan_rates_are_one_unit_algbw(topology, collective, capsys):
     """Every rate the plan command prints is algbw per rank, and the numbers are the model's."""
     from jax_blink.treegen import plan
 
+    if topology == "discover" and jax.device_count() < 2:
+        pytest.skip(f"one {jax.default_backend()} device here: a plan of one device moves nothing")
     topo = Topology.discover(jax.devices()) if topology == "discover" else Topology.preset(topology)
     argv = ["plan", "--collective", collective, "--topology", topology]
     root = None if collective == "allreduce" else 0
@@ -277,6 +279,8 @@ def test_demo_runs_all_reduce_against_psum(tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_demo_size_takes_the_byte_grammar(dtype, capsys):
+    if jax.device_count() < 2:
+        pytest.skip(f"one {jax.default_backend()} device here: the demo has nothing to reduce across")
     assert main(["demo", "--size", "2K", "--dtype", dtype]) == 0  # results agree within the dtype's rounding
     assert f"2048 bytes = 1024 x {dtype} per rank" in capsys.readouterr().out
 

@@ -53,6 +53,7 @@ def _env(**extra):
     env = dict(os.environ)
     env.update(extra)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"  # these run on 8 CPU host devices, also on a GPU machine
     env.setdefault("PJRT_NPROC", "16")
     return env
 

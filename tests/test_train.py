@@ -21,6 +21,10 @@ from jax_blink.train.models import SIZES  # noqa: E402
 from jax_blink.train.step import DataParallel, switch_available  # noqa: E402
 
 N = 8
+if jax.default_backend() != "cpu":
+    # Training on 8 CPU host devices; on a GPU machine `python -m jax_blink.train` is the run.
+    pytest.skip("these tests train on 8 CPU host devices; this process's default devices are "
+                f"{jax.default_backend()}", allow_module_level=True)
 FAST = {"xla_backend_optimization_level": 0}  # the same for every mode: compiles in a third of the time
 
 

@@ -204,6 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: --stream {args.stream}: stream annotations are an XLA:GPU feature; this run is on "
               f"{devices[0].platform} devices", file=sys.stderr)
         return 2
+    if args.stream is not None:
+        try:
+            from jax.experimental.compute_on import compute_on2  # noqa: F401
+        except ImportError:
+            print(f"{PROG}: --stream {args.stream}: needs jax.experimental.compute_on.compute_on2, which "
+                  f"jax {jax.__version__} does not have", file=sys.stderr)
+            return 2
     if args.stream is not None and args.collective != "blink":
         print(f"{PROG}: --stream applies to --collective blink (the switch lowers inside jax's own rules)",
               file=sys.stderr)

@@ -138,7 +138,7 @@ def device_position(ctx):
 
 class CallChain:
     """The last jax_blink call emitted in each block of the modules being lowered, so that the next
-    call of the same block can wait for it (:meth:`after`, :meth:`record`).
+    call of the same block can wait for it (:meth:`last`, :meth:`record`).
 
     Keyed by MLIR block, per module; the most recent modules only, held by a strong reference
     while they are in here so that no block of a freed module can be mistaken for a new one."""
@@ -158,22 +158,39 @@ class CallChain:
         self._modules = [*self._modules[-(self._keep - 1):], (module, blocks)]
         return blocks
 
-    def after(self, ctx, value):
-        """``value`` made to depend on the block's last recorded call (``value`` if none): an
-        ``optimization_barrier`` of both, which XLA keeps, so that XLA runs the calls of one block
-        in the order they were emitted, on every device."""
+    def last(self, ctx) -> list | None:
+        """[(value, abstract value), ...]: what the block's next call waits for (None: nothing)."""
         block = _ir.InsertionPoint.current.block
         with self._lock:
-            last = self._blocks(ctx).get(block)
-        if last is None:
-            return value
-        return _hlo.OptimizationBarrierOp([value, last]).results[0]
+            return self._blocks(ctx).get(block)
 
-    def record(self, ctx, value) -> None:
-        """``value`` (an output of a call just emitted in the current block) is the one to wait for."""
+    def record(self, ctx, deps: list) -> None:
+        """``deps`` ([(value, abstract value), ...], outputs of a call just emitted in the current
+        block: a collective's result, or every result of a nested call holding collectives) are
+        what the block's next call waits for."""
         block = _ir.InsertionPoint.current.block
         with self._lock:
-            self._blocks(ctx)[block] = value
+            self._blocks(ctx)[block] = list(deps)
+
+
+def holds_collective(jaxpr) -> bool:
+    """Whether a (closed) jaxpr binds one of :data:`PRIMITIVES`, at any depth
+    (jax._src.core.jaxprs_in_params: the jaxprs in an equation's parameters)."""
+    from jax._src import core
+    prims = set(PRIMITIVES.values())
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if eqn.primitive in prims:
+                return True
+            stack.extend(core.jaxprs_in_params(eqn.params))
+    return False
+
+
+def optimization_barrier_after(value, dep):
+    """``value`` tied to ``dep`` by a StableHLO ``optimization_barrier`` of both. XLA:CPU's
+    compiler removes these barriers; the GPU compiler keeps one schedule for every device."""
+    return _hlo.OptimizationBarrierOp([value, dep]).results[0]
 
 
 def int32_scalar_aval():

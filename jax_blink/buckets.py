@@ -150,17 +150,26 @@ def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
              ordered: bool = False):
     """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer).
 
-    ``ordered``: each bucket's call waits for the previous one's result (an
-    ``optimization_barrier``), so that every device runs them in bucket order. jax_blink's calls
-    need it: they block until their peers arrive, and XLA:CPU may run independent calls at once in
-    an order of its choosing per device, which can leave two devices waiting on each other."""
+    ``ordered``: each bucket's call waits for the previous one's result, so that every device runs
+    them in bucket order. jax_blink's calls need it: they block until their peers arrive, and
+    XLA:CPU may run independent calls at once in an order of its choosing per device, which can
+    leave two devices waiting on each other. On CPU the wait is the executor's ``jax_blink_after``
+    call (XLA:CPU's compiler removes ``optimization_barrier``s); elsewhere a barrier."""
     layout = layout or BucketLayout.of(tree, bucket_bytes)
     outs: list[jax.Array] = []
     for buf in layout.pack(tree):
         if ordered and outs:
-            buf, _ = jax.lax.optimization_barrier((buf, outs[-1]))
+            buf = _wait_for(buf, outs[-1])
         outs.append(reduce_bucket(buf))
     return layout.unpack(outs)
+
+
+def _wait_for(buf: jax.Array, prev: jax.Array) -> jax.Array:
+    """``buf``, computed only once ``prev`` exists, in a way the compiled program keeps."""
+    from . import _backends, distributed
+    if distributed._platform_of(buf) == "cpu" and _backends.register("cpu"):
+        return distributed.after(buf, prev.reshape(-1)[:1])
+    return jax.lax.optimization_barrier((buf, prev))[0]
 
 
 def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,

@@ -363,7 +363,8 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     # that every rank runs, so the ranks still meet the same calls in the same order.
     # in_place: the result takes the operand's buffer (where the operand is a temporary of the
     # caller, XLA then needs no second one, and the executor copies nothing outside what moves).
-    # Across processes, the order of a program's calls is kept by distributed.in_program_order.
+    # On CPU, the order of a program's calls (every device, every process) is kept by
+    # distributed.in_program_order.
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
                             input_output_aliases={0: 0} if in_place else None)
     return call(flat, rank, group, program=program,

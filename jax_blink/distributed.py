@@ -261,39 +261,39 @@ _last = threading.local()
 
 
 @jax.custom_jvp
-def _after(x, dep):
-    """``x``, computed only once ``dep`` exists (the CPU executor's ``jax_blink_after`` call)."""
+def after(x, dep):
+    """``x``, computed only once ``dep`` exists (the CPU executor's ``jax_blink_after`` call): an
+    operand of a custom call, which XLA keeps, unlike an ``optimization_barrier``."""
     call = jax.ffi.ffi_call(_backends.TARGET_AFTER, jax.ShapeDtypeStruct(x.shape, x.dtype),
                             input_output_aliases={0: 0}, vmap_method="broadcast_all")
     return call(x, dep)
 
 
-@_after.defjvp
+@after.defjvp
 def _after_jvp(primals, tangents):
     x, dep = primals
-    return _after(x, dep), tangents[0]
+    return after(x, dep), tangents[0]
 
 
 def in_program_order(run):
-    """Decorates the collectives' common runner: in a job of several processes on CPU, each
-    collective's operand waits for the previous collective's result in the same trace (an
-    operand of a custom call, which XLA cannot optimise away, unlike an optimization barrier), so
-    every process runs a program's collectives in the order they were written. XLA's CPU runtime
-    otherwise runs independent calls in an order of its own in each process, and ranks blocked in
-    different calls (or in XLA's own collectives between the phases of a three-phase all-reduce)
-    wait for each other until the time budget ends."""
+    """Decorates the collectives' common runner: on CPU, each collective's operand waits for the
+    previous collective's result in the same trace (an operand of a custom call, which XLA cannot
+    optimise away, unlike an optimization barrier), so every device and every process runs a
+    program's collectives in the order they were written. XLA's CPU runtime otherwise runs
+    independent calls in an order of its own on each device (and in each process), and ranks
+    blocked in different calls (or in XLA's own collectives between the phases of a three-phase
+    all-reduce) wait for each other until the time budget ends. Seen in one process too: the
+    per-leaf gradient all-reduces of a value_and_grad step (tests/test_ordering.py)."""
 
     @functools.wraps(run)
     def wrapper(what, x, *args, **kwargs):
-        if jax.process_count() == 1:
-            return run(what, x, *args, **kwargs)
         from jax._src import core
 
         trace = core.trace_ctx.trace
         prev = getattr(_last, "value", None)
         if (prev is not None and _last.trace() is trace and x.size
                 and _backends.register("cpu") and _platform_of(x) == "cpu"):
-            x = _after(x, prev.reshape(-1)[:1])
+            x = after(x, prev.reshape(-1)[:1])
         out = run(what, x, *args, **kwargs)
         _last.trace, _last.value = weakref.ref(trace), out
         return out

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import mlir
 
-from . import _backends, _jax_internals as _jx, collectives as _col, schedule as _schedule, tuning
+from . import _backends, _jax_internals as _jx, collectives as _col, distributed as _distributed, schedule as _schedule, tuning
 from .options import config
 
 #: lowering platform (as jax names it when it lowers) -> executor platform (jax_blink's name).
@@ -180,15 +180,72 @@ def _make_rule(name: str, platform: str, replaced):
 def _jit_rule(name: str, platform: str, replaced):
     """A nested jax.jit call lowered as jax does, but never through a function that an earlier call
     site of the same jaxpr emitted: two call sites of one function would share the comm_ids of
-    the collectives inside it, and XLA:CPU may run independent calls at once."""
+    the collectives inside it, and XLA:CPU may run independent calls at once.
+
+    On CPU, a call whose jaxpr holds collectives also joins its block's chain of jax_blink calls
+    (see :func:`_lower`): its operands wait for the block's previous call, and the block's next
+    call waits for its results. Its collectives live in a function of their own, which the
+    chain of the caller's block cannot reach otherwise (seen: the psum in the transpose of
+    jnp.take inside a GPT-2 gradient step, unordered against the step's other calls)."""
     del name, platform
 
     def rule(ctx, *args, **params):
         _jx.forget_lowered_jit_functions(ctx)
-        return replaced(ctx, *args, **params)
+        if not (_chains_on_cpu(ctx) and _jx.holds_collective(params["jaxpr"])):
+            return replaced(ctx, *args, **params)
+        last = _chain.last(ctx)
+        if last:
+            token = _wait_token(ctx, last)
+            args = [_wait(ctx, a, aval, token) if _orderable(aval) and _single(a) is a else a
+                    for a, aval in zip(args, ctx.avals_in)]
+        outs = replaced(ctx, *args, **params)
+        deps = [(_single(o), aval) for o, aval in zip(outs, ctx.avals_out)
+                if _orderable(aval) and _single(o) is not None]
+        if deps:
+            _chain.record(ctx, deps)
+        return outs
 
     rule.__name__ = "jax_blink_jit_lowering"
     return rule
+
+
+def _single(value):
+    """The one MLIR value of a rule's result (jax gives some as a 1-tuple); None if several."""
+    if isinstance(value, (tuple, list)):
+        return value[0] if len(value) == 1 else None
+    return value
+
+
+def _chains_on_cpu(ctx) -> bool:
+    """Whether this lowering orders jax_blink calls with the CPU executor's jax_blink_after call."""
+    return (_jx.lowering_platforms(ctx) == ("cpu",) and _jx.manual_mesh(ctx) is not None
+            and _backends.register("cpu"))
+
+
+def _orderable(aval) -> bool:
+    """An array the jax_blink_after call can take (non-empty, of a plain dtype)."""
+    shape = getattr(aval, "shape", None)
+    return (shape is not None and all(isinstance(d, (int, np.integer)) for d in shape)
+            and int(np.prod(shape)) > 0 and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended))
+
+
+def _wait_token(ctx, deps: list):
+    """An int32 scalar that exists only once every value of ``deps`` does."""
+    def token(*ds):
+        t = jax.numpy.int32(0)
+        for d in ds:
+            t = _distributed.after(t, d)
+        return t
+
+    i32 = _jx.int32_scalar_aval()
+    sub = ctx.replace(primitive=None, avals_in=[a for _, a in deps], avals_out=[i32])
+    return mlir.lower_fun(token, multiple_results=False)(sub, *(v for v, _ in deps))[0]
+
+
+def _wait(ctx, value, aval, token):
+    """``value``, computed only once ``token`` exists (a jax_blink_after call)."""
+    sub = ctx.replace(primitive=None, avals_in=[aval, _jx.int32_scalar_aval()], avals_out=[aval])
+    return mlir.lower_fun(_distributed.after, multiple_results=False)(sub, value, token)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,11 +401,31 @@ def _lower(ctx, body, *args):
 
     ``position`` waits for the previous jax_blink call of the same block: XLA:CPU runs independent
     custom calls at once, in an order of its choosing per device, and calls that block for their
-    peers can then wait on each other in a cycle (seen: FSDP + TP gradients on a 4 x 2 mesh)."""
-    sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, _jx.int32_scalar_aval()])
-    position = _chain.after(ctx, _jx.device_position(ctx))
-    outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
-    _chain.record(ctx, outs[0])
+    peers can then wait on each other in a cycle (seen: FSDP + TP gradients on a 4 x 2 mesh, a
+    GPT-2 value_and_grad step). On CPU the wait is a ``jax_blink_after`` custom call taking the
+    previous call's result as an operand: XLA:CPU's compiler removes ``optimization_barrier``s
+    (OptimizationBarrierExpander), which left every call independent in the compiled program."""
+    i32 = _jx.int32_scalar_aval()
+    position = _jx.device_position(ctx)
+    last = _chain.last(ctx)
+    if not last:
+        sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32])
+        outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    elif _chains_on_cpu(ctx):
+        def waiting(*operands):
+            *xs, pos = operands[:len(args) + 1]
+            for prev in operands[len(args) + 1:]:
+                pos = _distributed.after(pos, prev)
+            return body(*xs, pos)
+
+        sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32, *(a for _, a in last)])
+        outs = mlir.lower_fun(waiting, multiple_results=False)(sub, *args, position, *(v for v, _ in last))
+    else:  # GPU: each device runs one program's thunks in one order, the barrier is enough
+        sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32])
+        for prev, _ in last:
+            position = _jx.optimization_barrier_after(position, prev)
+        outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+    _chain.record(ctx, [(outs[0], ctx.avals_out[0])])
     return outs
 
 

@@ -250,15 +250,19 @@ def test_equal_independent_collectives_each_have_their_own_call_site():
 
 def test_calls_of_one_block_wait_for_each_other_in_emission_order():
     """Independent calls of one block are chained (the rank operand of each waits for the previous
-    call's result): XLA:CPU must not start them in a different order on different devices."""
+    call's result, through the executor's jax_blink_after call, which XLA keeps where it removes
+    optimization barriers): XLA:CPU must not start them in a different order on different devices.
+    tests/test_ordering.py checks the chain in the compiled program."""
     mesh = _mesh((4, 2), ("x", "y"))
     x = _put(mesh, _rand(50, (4, 2, 6)), P("x", "y"))
     fn = _smap(lambda v: (lax.psum(v, "x"), lax.psum(v, "y"), lax.psum(v * 2, "x")),
                mesh, P("x", "y"), (P(None, "y"), P("x"), P(None, "y")))
     with jax_blink.installed(), override(dispatch="blink"):
-        text = fn.lower(x).as_text()
+        lowered = fn.lower(x)
+        text, compiled = lowered.as_text(), lowered.compile().as_text()
         got = jax.tree.map(np.asarray, fn(x))
-    assert text.count(f"@{TARGET}(") == 3 and text.count("stablehlo.optimization_barrier") == 2
+    assert text.count(f"@{TARGET}(") == 3 and text.count("@jax_blink_after(") == 2
+    assert compiled.count('custom_call_target="jax_blink_after"') == 2
     _assert_same(got, jax.tree.map(np.asarray, fn(x)))
 
 

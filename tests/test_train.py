@@ -81,7 +81,8 @@ def test_bucketed_all_reduce_equals_psum_per_leaf():
         ours, ref = f(x)
         text = f.lower(x).as_text()
     assert text.count("jax_blink_collective") == len(layout.buckets)
-    assert text.count("optimization_barrier") == len(layout.buckets) - 1  # the calls in bucket order
+    # The calls in bucket order (tests/test_ordering.py checks the chain in the compiled program).
+    assert text.count("@jax_blink_after(") >= len(layout.buckets) - 1
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

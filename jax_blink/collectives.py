@@ -358,13 +358,13 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
                 target, extra = _backends.TARGET_MP, attrs
     # No side effect: the call is a pure function of its operand, as lax.psum is. Marked as a
     # side effect it cost 4-8 us more per call and sent jax's dispatch down the runtime-token path
-    # (benchmarks/xla_call_overhead.py, NOTES.md change 5). Nothing needs the mark: every call site
-    # has its own comm_id (never CSE'd), and XLA orders, removes or repeats a call in one program
-    # that every rank runs, so the ranks still meet the same calls in the same order.
+    # (benchmarks/xla_call_overhead.py, NOTES.md change 5). The mark would not order the calls
+    # either: every call site has its own comm_id (never CSE'd), and on CPU, where XLA runs
+    # independent calls in an order of its own per device, distributed.in_program_order makes each
+    # call's operand depend on the previous call's result (an optimization barrier does not: XLA:CPU
+    # removes it; tests/test_ordering.py checks the compiled program).
     # in_place: the result takes the operand's buffer (where the operand is a temporary of the
     # caller, XLA then needs no second one, and the executor copies nothing outside what moves).
-    # On CPU, the order of a program's calls (every device, every process) is kept by
-    # distributed.in_program_order.
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
                             input_output_aliases={0: 0} if in_place else None)
     return call(flat, rank, group, program=program,

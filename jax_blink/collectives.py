@@ -204,15 +204,20 @@ def _across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
     without a three-phase form has ranks on several hosts: they cannot meet in shared memory."""
     if jax.process_count() == 1 or _hosts_of(axes) is None:
         return False
-    problem = f"{what} has no three-phase form for ranks on several hosts (all_reduce has)"
-    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own collective "
-           "(set JAX_BLINK_FALLBACK=raise to make this an error)")
+    _fall_back(f"{what} has no three-phase form for ranks on several hosts (all_reduce has)", what)
+    return True
+
+
+def _fall_back(problem: str, what: str) -> None:
+    """``what`` goes to XLA's own collective because of ``problem``: raise, warn once per problem,
+    or say nothing, as ``config.fallback`` says."""
+    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own "
+           "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
     if config.fallback == "raise":
         raise RuntimeError(msg)
     if config.fallback == "warn" and problem not in _warned:
         _warned.add(problem)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    return True
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
@@ -227,13 +232,7 @@ def _executor_ready(platform: str, what: str, n: int = 0) -> bool:
         problem = _peer_access_problem(n)
     if problem is None:
         return True
-    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own "
-           "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
-    if config.fallback == "raise":
-        raise RuntimeError(msg)
-    if config.fallback == "warn" and problem not in _warned:
-        _warned.add(problem)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    _fall_back(problem, what)
     return False
 
 

@@ -314,13 +314,14 @@ def _host_share(platform: str, topology: Topology, collective: str, root, method
 
 def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
                      topology=None, method="exact", result_type=None, in_place: bool = False,
-                     sub=None):
+                     sub=None, platform: str | None = None):
     """One ``jax_blink_collective`` custom call over a flat operand (among the ranks of one host
     of ``axes`` where ``sub``, a :class:`jax_blink.hierarchy.SubGroup`, says so). ``result_type``:
     the type of the ``lax`` expression the call computes (``_lax_type``); None only for the
-    inside phases of :mod:`jax_blink.hierarchy`, whose results are a rank's own."""
+    inside phases of :mod:`jax_blink.hierarchy`, whose results are a rank's own. ``platform``: the
+    one being lowered for, where the caller knows it (the switch's lowering rules)."""
     config.validate()  # options set in code are checked here, when a call uses them
-    platform = _platform()
+    platform = platform or _platform()
     if sub is None:
         n = _axis_size(axes)
         topo = _topology_for(n, platform, topology, axes)

@@ -16,7 +16,6 @@ fall-back warning, or an error with ``JAX_BLINK_FALLBACK=raise``).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 

@@ -42,7 +42,8 @@ import numpy as np
 from jax import lax
 from jax.interpreters import mlir
 
-from . import _backends, _jax_internals as _jx, collectives as _col, distributed as _distributed, schedule as _schedule, tuning
+from . import _backends, _jax_internals as _jx, collectives as _col, distributed as _distributed, tuning
+from .hierarchy import SubGroup
 from .options import config
 
 #: lowering platform (as jax names it when it lowers) -> executor platform (jax_blink's name).
@@ -378,22 +379,14 @@ def _say(msg: str) -> None:
 # (mlir.lower_fun), given this device's mesh position as an extra operand.
 
 def _call(flat, plan: _Plan, position, collective: str, op: str = "sum"):
-    """The ``jax_blink_collective`` custom call over a flat operand, inside a traced function."""
-    config.validate()
-    n, exec_platform = plan.n, plan.exec_platform
-    itemsize = np.dtype(flat.dtype).itemsize
-    topo = _col.default_topology(n, exec_platform)
-    chunk = _col._chunk_bytes(collective, n, int(flat.size) * itemsize, flat.dtype,
-                              _device_kind(exec_platform))
-    program = _col._program(topo, collective, None, int(flat.size), itemsize, chunk, "exact")
-    share = _col._host_share(exec_platform, topo, collective, None, "exact")
-    rank = jax.numpy.asarray(plan.rank_of)[position]
-    group = jax.numpy.asarray(plan.group_of)[position]
-    target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(flat.shape, flat.dtype), has_side_effect=False)
-    return call(flat, rank, group, program=program, op=np.int32(_schedule.OPS[op]),
-                comm_id=np.int64(_col._next_comm_id()),
-                timeout_ms=np.int64(round(config.timeout_s * 1000)), host_share=np.float32(share))
+    """The ``jax_blink_collective`` custom call over a flat operand, inside a traced function: the
+    lowering's own call (collectives._collective_call), given this device's rank and group from its
+    mesh position instead of an axis index (a lowering rule sees no axis environment)."""
+    sub = SubGroup(n=plan.n, rank=jax.numpy.asarray(plan.rank_of)[position],
+                   group=jax.numpy.asarray(plan.group_of)[position], devices=(),
+                   rank_process=None, rank_device=None)
+    return _col._collective_call(flat, (), collective, op=op, platform=plan.exec_platform,
+                                 topology=_col.default_topology(plan.n, plan.exec_platform), sub=sub)
 
 
 def _lower(ctx, body, *args):

@@ -28,6 +28,11 @@ from collections.abc import Sequence
 #: The collectives of the table, by their bench names (``python -m jax_blink.bench -c``).
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reducescatter")
 
+#: Where a collective's ranks live. ``"one process"``: every rank in the caller's process (the
+#: executors meet in one address space); ``"several processes"``: ranks in different processes of
+#: a job (shared memory on CPU, CUDA IPC on GPUs), a different executor with its own costs.
+LAYOUTS = ("one process", "several processes")
+
 
 @dataclasses.dataclass(frozen=True)
 class Crossover:
@@ -41,6 +46,7 @@ class Crossover:
     lax_ranges: tuple[tuple[int, int | None], ...]
     sources: tuple[str, ...]
     collective: str = "allreduce"
+    layout: str = "one process"
 
     def prefers_lax(self, nbytes: int) -> bool:
         return any(lo <= nbytes and (hi is None or nbytes < hi) for lo, hi in self.lax_ranges)
@@ -50,7 +56,9 @@ class Crossover:
         prints to paste there)."""
         lines = [f"Crossover({self.device_kind!r}, {self.ranks}, {self.lax_ranges!r}, ("]
         lines += [f"    {src!r}," for src in self.sources]
-        lines.append(")" + ("" if self.collective == "allreduce" else f", collective={self.collective!r}") + ")")
+        tail = "" if self.collective == "allreduce" else f", collective={self.collective!r}"
+        tail += "" if self.layout == "one process" else f", layout={self.layout!r}"
+        lines.append(")" + tail + ")")
         return "\n".join(lines)
 
 
@@ -61,16 +69,17 @@ def _lax_won(row: dict) -> bool:
     return float(row["speedup"]) < 1.0 and (math.isnan(slope) or slope < 1.0)
 
 
-def _read_run(src: str, root: str) -> tuple[tuple[str, int, str], dict[int, bool]]:
-    """(device kind, ranks, collective) of a bench run and, per operand size it measured, whether
-    lax won there."""
+def _read_run(src: str, root: str) -> tuple[tuple[str, int, str, str], dict[int, bool]]:
+    """(device kind, ranks, collective, layout) of a bench run and, per operand size it measured,
+    whether lax won there."""
     try:
         with open(os.path.join(root, src)) as f:
             doc = json.load(f)
         meta, rows = doc["meta"], doc["rows"]
         collective = meta.get("collective") or os.path.basename(src).split("-")[0]
         n = int(meta["n"])
-        kind = (meta["device_kind"], n, collective)
+        layout = meta.get("layout", "one process")
+        kind = (meta["device_kind"], n, collective, layout)
         per_operand = n if collective == "allgather" else 1  # the bench's size: all-gather's output
         points = [(int(r["size"]) // per_operand, str(r.get("dtype", "")), int(r.get("wrong", 0)), _lax_won(r))
                   for r in rows]
@@ -80,6 +89,8 @@ def _read_run(src: str, root: str) -> tuple[tuple[str, int, str], dict[int, bool
     if collective not in COLLECTIVES:
         raise ValueError(f"{src}: a bench run of {collective!r}, not of a collective the table holds "
                          f"({', '.join(COLLECTIVES)})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{src}: layout {layout!r} is not one of {LAYOUTS}")
     won: dict[int, bool] = {}
     for size, dtype, wrong, lax_won in points:
         if wrong:
@@ -114,6 +125,9 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
     if len({k[2] for k in kinds}) > 1:
         raise ValueError(f"the runs are of different collectives: {sorted({k[2] for k in kinds})}; "
                          "derive one entry per collective")
+    if len({k[3] for k in kinds}) > 1:
+        raise ValueError(f"the runs are of different layouts: {sorted({k[3] for k in kinds})}; "
+                         "derive one entry per layout")
     if len(kinds) != 1:
         raise ValueError(f"the runs are of different machines: {sorted(k[:2] for k in kinds)}; "
                          "derive one entry per machine")
@@ -134,8 +148,8 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
         hi = None if j == len(order) - 1 else round(math.sqrt(order[j] * order[j + 1]))
         ranges.append((lo, hi))
         i = j + 1
-    (kind, n, collective), = kinds
-    return Crossover(kind, n, tuple(ranges), tuple(sources), collective)
+    (kind, n, collective, layout), = kinds
+    return Crossover(kind, n, tuple(ranges), tuple(sources), collective, layout)
 
 
 # Executor 0.4.x on 2 x H200: three all-reduce runs, 1 KiB-1 GiB, 20 chained calls and the marginal
@@ -147,6 +161,12 @@ CROSSOVERS: tuple[Crossover, ...] = (
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.3-slope.json",
         "benchmarks/results/allreduce-nvidia-h200-x2-2026-11-22-v0.4.json")),
+    # One process per GPU on 2 x H200 (the CUDA IPC executor, 2026-11-24, tests/gpu_ipc_selftest.py,
+    # float32, 20-call chains against NCCL's psum): ours won at 1 KiB only (1.04x); from 64 KiB
+    # psum was faster (0.83-0.93x at 64 KiB, 0.40-0.52x from 1 MiB), so psum takes those sizes.
+    Crossover('NVIDIA H200', 2, ((8192, None),), (
+        'benchmarks/results/allreduce-ipc-nvidia-h200-x2-2026-11-24.json',
+    ), layout='several processes'),
     # CPU host devices (the CPU executor: threads meeting in one process) on a 2-core machine shared
     # with other jobs (load average 4-8 while measuring), 2026-11-24, executor of commit 328c546:
     # every collective against its lax counterpart, float32 and bfloat16, 1 KiB-16 MiB (8 ranks:
@@ -214,17 +234,22 @@ def _check_collective(collective: str) -> None:
         raise ValueError(f"collective {collective!r} is not one of the table's: {', '.join(COLLECTIVES)}")
 
 
-def entry(device_kind: str | None, ranks: int, collective: str = "allreduce") -> Crossover | None:
-    """The table's entry for ``collective`` on ``ranks`` devices of ``device_kind`` (None: not
-    measured)."""
+def entry(device_kind: str | None, ranks: int, collective: str = "allreduce",
+          layout: str = "one process") -> Crossover | None:
+    """The table's entry for ``collective`` on ``ranks`` devices of ``device_kind`` whose ranks
+    live as ``layout`` says (None: not measured)."""
     _check_collective(collective)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     return next((c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks
-                 and c.collective == collective), None)
+                 and c.collective == collective and c.layout == layout), None)
 
 
-def prefer_lax(device_kind: str | None, ranks: int, nbytes: int, collective: str = "allreduce") -> bool:
+def prefer_lax(device_kind: str | None, ranks: int, nbytes: int, collective: str = "allreduce",
+               layout: str = "one process") -> bool:
     """True when ``collective``'s ``lax`` counterpart was measured faster than the executor for a
-    call with ``nbytes`` of operand per rank on ``ranks`` devices of ``device_kind``."""
-    c = entry(device_kind, ranks, collective)
+    call with ``nbytes`` of operand per rank on ``ranks`` devices of ``device_kind`` whose ranks
+    live as ``layout`` says."""
+    c = entry(device_kind, ranks, collective, layout)
     return c is not None and c.prefers_lax(nbytes)
 

@@ -53,10 +53,32 @@ def test_prefer_lax_is_per_collective(monkeypatch):
         tuning.prefer_lax("Some CPU", 4, 4 * K, collective="gather")
 
 
+def test_layouts_are_kept_apart(tmp_path, monkeypatch):
+    """Ranks in several processes run another executor (shared memory, CUDA IPC) with its own
+    costs: its runs derive their own entry, never mixed with one-process runs."""
+    one = _bench_json(tmp_path / "allreduce-one.json", "allreduce", 2, [(K, "float32", 2.0), (K * K, "float32", 2.0)])
+    doc = json.loads(open(one).read())
+    doc["meta"]["layout"] = "several processes"
+    doc["rows"][1]["speedup"] = doc["rows"][1]["slope_speedup"] = 0.5
+    several = tmp_path / "allreduce-several.json"
+    several.write_text(json.dumps(doc))
+    c = tuning.derive([str(several)])
+    assert c.layout == "several processes" and c.lax_ranges == ((32 * K, None),)
+    assert eval(c.as_code(), {"Crossover": tuning.Crossover}) == c  # noqa: S307 (our own output)
+    with pytest.raises(ValueError, match="different layouts"):
+        tuning.derive([one, str(several)])
+    monkeypatch.setattr(tuning, "CROSSOVERS", (c,))
+    assert tuning.prefer_lax("cpu", 2, K * K, layout="several processes")
+    assert not tuning.prefer_lax("cpu", 2, K * K)  # one process: not measured, the executor
+    with pytest.raises(ValueError, match="layout 'mpi' is not one of"):
+        tuning.prefer_lax("cpu", 2, K, layout="mpi")
+
+
 def test_every_table_entry_names_a_collective_and_each_is_measured():
     assert {c.collective for c in tuning.CROSSOVERS} <= set(tuning.COLLECTIVES)
-    keys = [(c.device_kind, c.ranks, c.collective) for c in tuning.CROSSOVERS]
-    assert len(keys) == len(set(keys)), "one entry per machine and collective"
+    assert {c.layout for c in tuning.CROSSOVERS} <= set(tuning.LAYOUTS)
+    keys = [(c.device_kind, c.ranks, c.collective, c.layout) for c in tuning.CROSSOVERS]
+    assert len(keys) == len(set(keys)), "one entry per machine, collective and layout"
     cpu = {(c.ranks, c.collective) for c in tuning.CROSSOVERS if c.device_kind == "cpu"}
     assert cpu == {(n, coll) for n in (2, 4, 8) for coll in tuning.COLLECTIVES}
 

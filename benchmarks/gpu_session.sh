@@ -19,12 +19,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
-build_selftest() {  # sets ST: ST_BIN where given, else /tmp/selftest, compiled once
-  ST=${ST_BIN:-/tmp/selftest}
-  if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ]; then
-    nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
-      > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
-  fi
+ST=${ST_BIN:-/tmp/selftest}
+compile_selftest() {
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
+    > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
+}
+ST_PID=
+# The self-test binary (ST_BIN where given, else /tmp/selftest), compiled once: beside the build
+# step's pip install where a later step needs it (its compile takes 1-2 minutes), else here.
+build_selftest() {
+  if [ -n "$ST_PID" ]; then wait "$ST_PID"; ST_PID=; fi
+  if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ]; then compile_selftest; fi
 }
 log "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
@@ -32,6 +37,9 @@ for step in $STEPS; do
   case $step in
     build)
       log build
+      if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ] && [[ " $STEPS " =~ \ (selftest|stbench|overhead|hybrid)\  ]]; then
+        compile_selftest & ST_PID=$!
+      fi
       python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
@@ -47,12 +55,14 @@ for step in $STEPS; do
       timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitizer)
       log sanitizer
+      build_selftest
       for tool in memcheck racecheck; do
         timeout 150 compute-sanitizer --tool $tool /tmp/selftest --quick > "$OUT/sanitizer-$tool.log" 2>&1
         echo "$tool rc=$?"; tail -4 "$OUT/sanitizer-$tool.log"
       done ;;
     hybrid)
       log hybrid
+      build_selftest
       ST=${ST_BIN:-/tmp/selftest} timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
     ce)  # the copy-engine host channel through XLA, 256 MiB-1 GiB (NOTES.md change 4)
       log ce

@@ -161,14 +161,19 @@ _PDL_CHILD = textwrap.dedent("""
     n = 1000
     x = jnp.asarray(np.random.default_rng(7).standard_normal(n), jnp.float32)
     prog = [int(w) for w in S.encode(S.Schedule(1, n, n, ()))]
-    call = jax.ffi.ffi_call(_backends.TARGET_LITE, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    def chain(v):
-        for i in range(8):
-            _backends.register_call_site("gpu", 3 * 10**9 + i, prog, 0, 10_000, 0.0)
-            v = call(v * 2.0, jnp.int32(0), jnp.int32(0), comm_id=np.int64(3 * 10**9 + i))
-        return v
-    got = np.asarray(jax.jit(chain)(x))
-    assert got.tobytes() == (np.asarray(x) * 256.0).tobytes(), "wrong result"
+    ids = iter(range(3 * 10**9, 3 * 10**9 + 100))
+    for target in (_backends.TARGET_LITE, _backends.TARGET_LITE_CB):  # plain, and captured by XLA
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        def chain(v):
+            for _ in range(8):
+                cid = next(ids)
+                _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
+                v = call(v * 2.0, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
+            return v
+        f = jax.jit(chain)
+        for _ in range(3):  # set-up, then replays
+            got = np.asarray(f(x))
+            assert got.tobytes() == (np.asarray(x) * 256.0).tobytes(), ("wrong result", target)
     _blink_cuda.check()
     print("ok")
 """)

@@ -19,22 +19,33 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
+ST=${ST_BIN:-/tmp/selftest}
+compile_selftest() {
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
+    > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
+}
+ST_PID=
+# The self-test binary (ST_BIN where given, else /tmp/selftest), compiled once: beside the build
+# step's pip install where a later step needs it (its compile takes 1-2 minutes), else here.
+build_selftest() {
+  if [ -n "$ST_PID" ]; then wait "$ST_PID"; ST_PID=; fi
+  if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ]; then compile_selftest; fi
+}
 log "$(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 for step in $STEPS; do
   case $step in
     build)
       log build
+      if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ] && [[ " $STEPS " =~ \ (selftest|stbench|overhead|hybrid)\  ]]; then
+        compile_selftest & ST_PID=$!
+      fi
       python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
     selftest|stbench)
       log "$step"
-      ST=${ST_BIN:-/tmp/selftest}
-      if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ]; then
-        nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
-          > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
-      fi
+      build_selftest
       [ "$step" = selftest ] && { timeout 240 "$ST" 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40; }
       for mode in ${ST_MODES:-auto}; do  # the kernel per size: auto, or forced tree / ll / oneshot
         timeout 120 "$ST" --bench --mode "$mode" ${ST_BENCH_ARGS:-} 2>&1 | tee "$OUT/selftest_bench-$mode.log" | tail -30
@@ -44,27 +55,40 @@ for step in $STEPS; do
       timeout 400 python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sanitizer)
       log sanitizer
+      build_selftest
       for tool in memcheck racecheck; do
         timeout 150 compute-sanitizer --tool $tool /tmp/selftest --quick > "$OUT/sanitizer-$tool.log" 2>&1
         echo "$tool rc=$?"; tail -4 "$OUT/sanitizer-$tool.log"
       done ;;
     hybrid)
       log hybrid
+      build_selftest
       ST=${ST_BIN:-/tmp/selftest} timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
     ce)  # the copy-engine host channel through XLA, 256 MiB-1 GiB (NOTES.md change 4)
       log ce
       JAX_BLINK_HOST_ENGINE=ce timeout 300 python3 -m jax_blink.bench -b 256M -e 1G -f 4 -d float32 --slope 60 \
         -o "$OUT/ce" 2>&1 | tee "$OUT/ce.log" | tail -6 ;;
-    overhead)  # issue 17: marginal cost per call with XLA's default command buffers and with none, then a profile
+    overhead)  # issue 17: marginal cost per call of every row (bindings, handlers), XLA's command buffers on
+      # (default) and off, the one-rank copy launched plainly and with programmatic serialization
+      # (JAX_BLINK_PDL, read once per process); profiles of one chain; the LL kernel in a CUDA graph.
       log overhead
-      timeout 200 python3 benchmarks/xla_call_overhead.py ${OVERHEAD_ARGS:-} --out "$OUT/overhead.txt" 2>&1 | tail -8
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 200 python3 benchmarks/xla_call_overhead.py \
-        ${OVERHEAD_ARGS:-} --out "$OUT/overhead.txt" 2>&1 | tail -8
-      for cb in default none; do
-        flags=${XLA_FLAGS:-}; [ $cb = none ] && flags="$flags --xla_gpu_enable_command_buffer="
-        XLA_FLAGS="$flags" timeout 120 python3 benchmarks/call_profile.py --dump "/tmp/profile-$cb" 2>&1 | tee -a "$OUT/profile.txt" | grep -v "^  host"
+      for pdl in 0 1; do
+        for cb in default none; do
+          flags=${XLA_FLAGS:-}; [ $cb = none ] && flags="$flags --xla_gpu_enable_command_buffer="
+          echo "--- command buffers $cb, JAX_BLINK_PDL=$pdl" | tee -a "$OUT/session.log"
+          JAX_BLINK_PDL=$pdl XLA_FLAGS="$flags" timeout 240 python3 benchmarks/xla_call_overhead.py \
+            ${OVERHEAD_ARGS:---runs 40 --repeats 3} --out "$OUT/overhead.txt" 2>&1 | tail -13
+        done
       done
-      tar czf "$OUT/profile-events.tgz" -C /tmp profile-default profile-none ;;
+      for run in default-0 none-0 default-1; do
+        cb=${run%-*}; pdl=${run#*-}
+        flags=${XLA_FLAGS:-}; [ $cb = none ] && flags="$flags --xla_gpu_enable_command_buffer="
+        JAX_BLINK_PDL=$pdl XLA_FLAGS="$flags" timeout 150 python3 benchmarks/call_profile.py --dump "/tmp/profile-$run" 2>&1 \
+          | sed "s/^##/## [cb $cb, pdl $pdl]/" | tee -a "$OUT/profile.txt" | grep -v "^  host"
+      done
+      tar czf "$OUT/profile-events.tgz" -C /tmp profile-default-0 profile-none-0 profile-default-1
+      build_selftest
+      timeout 120 "$ST" --bench --mode ll --min 1K --max 64K 2>&1 | tee "$OUT/selftest_bench-ll.log" | tail -12 ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -1,13 +1,16 @@
 """What one more call costs inside a jitted program on one device: an XLA elementwise kernel, an FFI
-no-op handler, and our collective (a one-rank program: its kernel copies 1 KiB), plain and through
-the handler that XLA may capture in a command buffer.
+no-op handler per binding (kernels/cuda_module.cc: full, lite, min, bare), and our collective (a
+one-rank program: its kernel copies 1 KiB) through the full and the light binding, plain and
+through the handler that XLA may capture in a command buffer.
 
 Each row is a chain of K calls (the output of one feeds the next) in one jitted program, timed at
 K1 and K2 calls with every program taking turns (bench.interleaved_times). Per row it prints the
 time per call at K1 (what earlier notes quote: it carries the program's fixed cost / K1) and the
 marginal cost of one more call, (t(K2) - t(K1)) / (K2 - K1), which the fixed cost does not reach;
 the whole measurement is repeated ``--repeats`` times. Command buffers follow XLA_FLAGS: run it once
-with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (none) to see both.
+with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (none) to see both;
+``JAX_BLINK_PDL=1`` (read once per process) launches the one-rank copy with programmatic stream
+serialization.
 
     python benchmarks/xla_call_overhead.py [--k1 20] [--k2 100] [--runs 30] [--repeats 3] [--out FILE]
 """
@@ -29,19 +32,37 @@ from jax_blink.bench import interleaved_times
 _IDS = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
 
 
-def ffi_chain(target: str, k: int, x, program: np.ndarray, bare: bool = False):
-    """A jitted chain of ``k`` calls of ``target``: our binding (operand, rank, group and the
-    attributes) or the bare one (one operand, one result). No-op targets alias their result to the
-    operand (they write nothing)."""
-    noop = target in (_backends.TARGET_NOOP, _backends.TARGET_NOOP_BARE)
+# The bindings measured (kernels/cuda_module.cc): "full" every attribute on every call, "lite" the
+# comm_id alone (the site registered at lowering), "min" the comm_id without the rank and group
+# operands (a measuring stick only), "bare" one operand, one result, nothing else.
+_NOOPS = {"bare": _backends.TARGET_NOOP_BARE, "min": _backends.TARGET_NOOP_MIN,
+          "lite": _backends.TARGET_NOOP_LITE, "full": _backends.TARGET_NOOP}
+
+
+def ffi_chain(target: str, k: int, x, program: np.ndarray, binding: str = "full"):
+    """A jitted chain of ``k`` calls of ``target`` through ``binding`` (see _NOOPS). No-op targets
+    alias their result to the operand (they write nothing). Light-binding calls of our collective
+    register their site first, as collectives.py does at lowering."""
+    noop = target in _NOOPS.values()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype),
                             input_output_aliases={0: 0} if noop else None)
 
+    def one(v):
+        comm_id = next(_IDS)
+        if binding == "bare":
+            return call(v)
+        if binding == "min":
+            return call(v, comm_id=np.int64(comm_id))
+        if binding == "lite":
+            if not noop:
+                _backends.register_call_site("gpu", comm_id, program, 0, 10_000, 0.0)
+            return call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(comm_id))
+        return call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                    comm_id=np.int64(comm_id), timeout_ms=np.int64(10_000), host_share=np.float32(0))
+
     def body(v):
         for _ in range(k):
-            v = call(v) if bare else call(
-                v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                comm_id=np.int64(next(_IDS)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
+            v = one(v)
         return v
     return jax.jit(body)
 
@@ -61,12 +82,17 @@ def rows(elems: int, x) -> list[tuple[str, object]]:
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     have = _backends.module(platform).registrations()
     out = [("XLA elementwise op", xla_chain)]
-    if _backends.TARGET_NOOP_BARE in have:
-        out.append(("no-op FFI, bare binding", lambda k: ffi_chain(_backends.TARGET_NOOP_BARE, k, x, program, True)))
-    if _backends.TARGET_NOOP in have:  # XLA's own price of an FFI call with our binding, no work
-        out.append(("no-op FFI, our binding", lambda k: ffi_chain(_backends.TARGET_NOOP, k, x, program)))
-    out += [("jax_blink, plain handler", lambda k: ffi_chain(_backends.TARGET, k, x, program)),
-            ("jax_blink, command-buffer handler", lambda k: ffi_chain(_backends.TARGET_CB, k, x, program))]
+    for binding, target in _NOOPS.items():  # XLA's own price of an FFI call per binding, no work
+        if target in have:
+            out.append((f"no-op FFI, {binding} binding",
+                        lambda k, t=target, b=binding: ffi_chain(t, k, x, program, b)))
+    out += [("jax_blink full, plain handler", lambda k: ffi_chain(_backends.TARGET, k, x, program)),
+            ("jax_blink full, command-buffer handler", lambda k: ffi_chain(_backends.TARGET_CB, k, x, program))]
+    if _backends.TARGET_LITE in have:
+        out += [("jax_blink lite, plain handler",
+                 lambda k: ffi_chain(_backends.TARGET_LITE, k, x, program, "lite")),
+                ("jax_blink lite, command-buffer handler",
+                 lambda k: ffi_chain(_backends.TARGET_LITE_CB, k, x, program, "lite"))]
     return out
 
 
@@ -105,12 +131,13 @@ def main() -> None:
             marginal[name].append((t2 - t1) / (a.k2 - a.k1) * 1e6)
     ref = statistics.median(marginal["XLA elementwise op"])
     lines = [f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+             f"JAX_BLINK_PDL={os.environ.get('JAX_BLINK_PDL', '')!r}, "
              f"K1={a.k1}, K2={a.k2}, median of {a.runs} rounds per repeat, {a.repeats} repeats",
-             f"# {'row':>34}  {'us/call at K1 (each repeat)':>30}  {'marginal us/call (each repeat)':>30}  "
+             f"# {'row':>38}  {'us/call at K1 (each repeat)':>30}  {'marginal us/call (each repeat)':>30}  "
              f"{'median':>7}  {'/ XLA op':>8}"]
     for name, _ in table:
         m = statistics.median(marginal[name])
-        lines.append(f"{name:>36}  {' '.join(f'{v:6.2f}' for v in per_k1[name]):>30}  "
+        lines.append(f"{name:>40}  {' '.join(f'{v:6.2f}' for v in per_k1[name]):>30}  "
                      f"{' '.join(f'{v:6.2f}' for v in marginal[name]):>30}  {m:7.2f}  {m / ref:8.2f}")
     print("\n".join(lines))
     if a.out:

@@ -16,6 +16,15 @@ TARGET_NOOP = "jax_blink_noop"
 #: The same with one operand, one result and no attributes: the binding's share of that price.
 TARGET_NOOP_BARE = "jax_blink_noop_bare"
 
+#: CUDA: the collective through the light binding (operand, rank, group and the ``comm_id``
+#: attribute alone); what the call site fixes is registered first (:func:`register_call_site`).
+TARGET_LITE = "jax_blink_collective_lite"
+#: The same through the handler that claims the command-buffer trait.
+TARGET_LITE_CB = "jax_blink_collective_lite_cb"
+#: Measuring sticks (CUDA): the light binding doing nothing, and the same without rank and group.
+TARGET_NOOP_LITE = "jax_blink_noop_lite"
+TARGET_NOOP_MIN = "jax_blink_noop_min"
+
 #: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
 TARGET_MP = "jax_blink_collective_mp"
 #: GPU: all-reduce across processes through CUDA IPC (kernels/cuda_ipc.h).
@@ -53,10 +62,28 @@ def register(platform: str) -> bool:
         graph = plain
     jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
     jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
-    for probe in (TARGET_NOOP, TARGET_NOOP_BARE, TARGET_MP, TARGET_AFTER, TARGET_IPC):
+    if TARGET_LITE in plain:
+        jax.ffi.register_ffi_target(TARGET_LITE, plain[TARGET_LITE], platform=xla_platform)
+        jax.ffi.register_ffi_target(TARGET_LITE_CB, graph[TARGET_LITE], platform=xla_platform)
+    for probe in (TARGET_NOOP, TARGET_NOOP_BARE, TARGET_NOOP_LITE, TARGET_NOOP_MIN, TARGET_MP, TARGET_AFTER,
+                  TARGET_IPC):
         if probe in plain:
             jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True
+
+
+def has_call_sites(platform: str) -> bool:
+    """Whether ``platform``'s executor takes the light binding (:data:`TARGET_LITE`)."""
+    mod = module(platform)
+    return mod is not None and hasattr(mod, "register_call_site")
+
+
+def register_call_site(platform: str, comm_id: int, program, op: int, timeout_ms: int, host_share: float) -> None:
+    """Tell ``platform``'s executor what the call site ``comm_id`` fixes (its schedule program, op,
+    time budget and host share), for calls through :data:`TARGET_LITE`; ValueError if ``comm_id``
+    was registered with anything else."""
+    module(platform).register_call_site(int(comm_id), [int(w) for w in program], int(op), int(timeout_ms),
+                                        float(host_share))
 
 
 def available() -> dict[str, bool]:

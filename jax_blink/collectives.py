@@ -365,12 +365,31 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     # removes it; tests/test_ordering.py checks the compiled program).
     # in_place: the result takes the operand's buffer (where the operand is a temporary of the
     # caller, XLA then needs no second one, and the executor copies nothing outside what moves).
+    call_op, timeout_ms = np.int32(_schedule.OPS[op]), np.int64(round(config.timeout_s * 1000))
+    if target in (_backends.TARGET, _backends.TARGET_CB) and _light_binding(platform):
+        # One process, GPU: the site's program, op, budget and share go to the executor once, here,
+        # and each call carries its comm_id alone (issue 17: XLA decodes a call's attributes on every call).
+        _backends.register_call_site(platform, comm_id, program, call_op, timeout_ms, share)
+        target = _backends.TARGET_LITE_CB if target == _backends.TARGET_CB else _backends.TARGET_LITE
+        call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
+                                input_output_aliases={0: 0} if in_place else None)
+        return call(flat, rank, group, comm_id=np.int64(comm_id))
     call = jax.ffi.ffi_call(target, result_type, has_side_effect=False,
                             input_output_aliases={0: 0} if in_place else None)
     return call(flat, rank, group, program=program,
-                op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
-                timeout_ms=np.int64(round(config.timeout_s * 1000)),
+                op=call_op, comm_id=np.int64(comm_id), timeout_ms=timeout_ms,
                 host_share=np.float32(share), **extra)
+
+
+def _light_binding(platform: str) -> bool:
+    """Whether GPU calls lowered now take the light binding: where the executor has it, unless
+    ``JAX_BLINK_FULL_BINDING=1`` asks for every attribute on every call (an executable run in a
+    process that did not lower it, e.g. exported, has no registered call sites)."""
+    raw = os.environ.get("JAX_BLINK_FULL_BINDING", "")
+    if raw.strip() not in ("", "0", "1"):
+        raise ValueError(f"JAX_BLINK_FULL_BINDING={raw!r} is not understood: it takes 1 (every attribute on every "
+                         "call) or 0; fix or unset it (unset: the light binding)")
+    return platform == "gpu" and raw.strip() != "1" and _backends.has_call_sites(platform)
 
 
 def _lax_type(lax_expr, flat):

@@ -210,6 +210,10 @@ struct DeviceState {
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
 std::atomic<LaunchKernelFn> g_launch_kernel{nullptr};
+// cuLaunchKernelEx, for the one-rank copy launched with programmatic stream serialization
+// (JAX_BLINK_PDL=1); fetched with cuLaunchKernel.
+using LaunchKernelExFn = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+std::atomic<LaunchKernelExFn> g_launch_kernel_ex{nullptr};
 
 std::string LoadLaunchKernel() {
   if (g_launch_kernel.load(std::memory_order_acquire) != nullptr) return {};
@@ -219,8 +223,25 @@ std::string LoadLaunchKernel() {
          cudaGetDriverEntryPointByVersion("cuLaunchKernel", &f, 12000, cudaEnableDefault, &q));
   if (q != cudaDriverEntryPointSuccess || f == nullptr)
     return "jax_blink CUDA executor: the CUDA driver has no cuLaunchKernel (driver too old?)";
+  void* fx = nullptr;
+  q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fx, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess && fx != nullptr)
+    g_launch_kernel_ex.store(reinterpret_cast<LaunchKernelExFn>(fx), std::memory_order_release);
+  else
+    cudaGetLastError();  // no cuLaunchKernelEx: JAX_BLINK_PDL=1 is refused at set-up (CreateSiteLocked)
   g_launch_kernel.store(reinterpret_cast<LaunchKernelFn>(f), std::memory_order_release);
   return {};
+}
+
+// JAX_BLINK_PDL=1 (issue 17, a trial): one-rank copies launch with programmatic stream
+// serialization. Read once per process, at the first set-up; CheckEnvironment refuses other values.
+bool PdlRequested() {
+  static const bool requested = [] {
+    const char* e = std::getenv("JAX_BLINK_PDL");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return requested;
 }
 
 struct Comm {
@@ -273,6 +294,8 @@ struct Site {
   std::atomic<const int32_t*> last_ptr{nullptr};
   CUfunction fn[kNumDTypes][kNumOps] = {};  // its kernel per dtype and op, on its device (DeviceState::fn)
   CUfunction one_rank = nullptr;            // one rank: the copy (DeviceState::one_rank)
+  unsigned copy_threads = 0;                // its block size (one_rank_kernel)
+  bool pdl = false;                         // launched with programmatic stream serialization (JAX_BLINK_PDL)
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
@@ -694,6 +717,9 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   Comm* comm;
   std::string err = GetCommLocked(devices, opt, &comm);
   if (!err.empty()) return err;
+  if (n == 1 && PdlRequested() && g_launch_kernel_ex.load(std::memory_order_acquire) == nullptr)
+    return "jax_blink CUDA executor: JAX_BLINK_PDL=1 needs the driver's cuLaunchKernelEx (CUDA 12 or later), "
+           "which this driver does not have: unset JAX_BLINK_PDL";
   DeviceGuard guard;
   const int G = comm->blocks;
   const int ntrees = prog.ntrees();
@@ -967,6 +993,11 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     s->mode = mode;
     std::memcpy(s->fn, ds->fn[KernelIndex(mode)], sizeof s->fn);
     s->one_rank = ds->one_rank;
+    if (n == 1) {
+      const int64_t words = (prog.total_elems() * esize + 15) / 16;
+      s->copy_threads = static_cast<unsigned>(base.grid > 1 ? kCopyThreads : std::clamp<int64_t>((words + 31) / 32 * 32, 32, kCopyThreads));
+      s->pdl = PdlRequested();
+    }
     if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
     if (mode == Mode::kHybrid) {
       s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
@@ -1210,30 +1241,45 @@ std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, 
   if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
   const int dt = static_cast<int>(dtype);
   if (dt < 0 || dt >= kNumDTypes) return "jax_blink CUDA executor: unsupported dtype";
-  Params p = s->params;
-  p.in = in;
-  p.out = out;
-  if (timeout_ms <= 0) timeout_ms = 10000;
-  p.timeout_ms = timeout_ms;
-  p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  if (s->nranks == 1 && in == out) return {};  // the identity, nothing to copy
   // The site's device must be current: its kernel handle belongs to that device's primary context.
   // XLA calls the handler with it current (one cheap check); the self-test's threads switch here.
   int cur = -1;
   cudaGetDevice(&cur);
   if (cur != s->device) cudaSetDevice(s->device);
-  if (s->host_ce) return LaunchWithCopyEngines(s, KernelFor(dtype, op, s->mode), p, stream);
   // The driver's launch with the handle fetched at set-up: the runtime's cudaLaunchKernel would
   // look up the current device and the function on every call.
   const LaunchKernelFn launch = g_launch_kernel.load(std::memory_order_relaxed);
   CUresult r;
-  if (s->nranks == 1) {  // the identity: a copy, nothing at all when the result aliases the operand
-    if (in == out) return {};
+  if (s->nranks == 1) {  // the identity: a copy
     const uint8_t* src = static_cast<const uint8_t*>(in);
     uint8_t* dst = static_cast<uint8_t*>(out);
     int64_t bytes = s->total * s->esize;
     void* args[] = {&src, &dst, &bytes};
-    r = launch(s->one_rank, static_cast<unsigned>(s->grid), 1, 1, kCopyThreads, 1, 1, 0, stream, args, nullptr);
+    if (s->pdl) {
+      CUlaunchAttribute attr{};
+      attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr.value.programmaticStreamSerializationAllowed = 1;
+      CUlaunchConfig cfg{};
+      cfg.gridDimX = static_cast<unsigned>(s->grid);
+      cfg.gridDimY = cfg.gridDimZ = 1;
+      cfg.blockDimX = s->copy_threads;
+      cfg.blockDimY = cfg.blockDimZ = 1;
+      cfg.hStream = stream;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      r = g_launch_kernel_ex.load(std::memory_order_relaxed)(&cfg, s->one_rank, args, nullptr);
+    } else {
+      r = launch(s->one_rank, static_cast<unsigned>(s->grid), 1, 1, s->copy_threads, 1, 1, 0, stream, args, nullptr);
+    }
   } else {
+    Params p = s->params;
+    p.in = in;
+    p.out = out;
+    if (timeout_ms <= 0) timeout_ms = 10000;
+    p.timeout_ms = timeout_ms;
+    p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+    if (s->host_ce) return LaunchWithCopyEngines(s, KernelFor(dtype, op, s->mode), p, stream);
     void* args[] = {&p};
     r = launch(s->fn[dt][op], static_cast<unsigned>(s->grid + p.host_blocks), 1, 1, kThreads, 1, 1, 0, stream, args,
                nullptr);
@@ -1392,11 +1438,13 @@ std::string CheckEnvironment() {
     bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
   if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
     bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
+  if (const char* e = EnvValue("JAX_BLINK_PDL"); e != nullptr && std::strcmp(e, "0") != 0 && std::strcmp(e, "1") != 0)
+    bad("JAX_BLINK_PDL", "1 (one-rank copies launch with programmatic stream serialization) or 0");
   return err;
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.4.2 (program format v1; one-shot all-reduce through a staging inbox "
+  return "jax_blink CUDA executor 0.4.3 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
          "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink; "
          "one rank: a copy; launched through the driver with handles fetched at set-up)";

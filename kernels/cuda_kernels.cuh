@@ -963,13 +963,27 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
 // call still returns its operand). A small kernel of its own: launched as the tree kernel, the
 // same copy took 1.44 us per call in a CUDA graph against 0.99 for XLA's copy-sized fusion
 // (issue 17; the collective kernels' 512-thread blocks, 300-byte parameter block and size).
+// Launched with as many threads as a small copy has 16-byte words (at least a warp, at most
+// kCopyThreads: 64 for 1 KiB, the shape of XLA's fusion), so no thread only checks its bound.
 constexpr int kCopyThreads = 256;
 constexpr int64_t kCopyBytesPerBlock = int64_t{kCopyThreads} * 16 * 8;
 __global__ void __launch_bounds__(kCopyThreads) one_rank_kernel(const uint8_t* in, uint8_t* out, int64_t bytes) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with programmatic stream serialization (JAX_BLINK_PDL=1, issue 17), the kernel may
+  // start before the previous one on its stream ends: wait for that grid's completion and memory
+  // before reading `in`, then let the next kernel launch (its own wait covers this grid's writes).
+  // Launched without the attribute both instructions do nothing.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t nvec = ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0 ? bytes / 16 : 0;
+  // Not unrolled: a small copy is one iteration per thread, and the unrolled loop's trip count
+  // costs an integer division first (seen in the PTX).
+#pragma unroll 1
   for (int64_t i = first; i < nvec; i += stride) reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(in)[i];
+#pragma unroll 1
   for (int64_t i = nvec * 16 + first; i < bytes; i += stride) out[i] = in[i];
 }
 

@@ -1,22 +1,28 @@
 // nanobind module `jax_blink._blink_cuda`: the CUDA FFI handlers of "jax_blink_collective" (a thin
 // layer over cuda_executor.h) and the executor's state (check, reset, sizes).
 //
+// Two bindings of the same collective:
+//   full (JAX_BLINK_BINDING, target "jax_blink_collective"): operand, rank, group and every
+//     attribute (program, op, comm_id, timeout_ms, host_share) on every call;
+//   light (JAX_BLINK_LITE_BINDING, "jax_blink_collective_lite"): operand, rank, group and the
+//     comm_id; the rest was registered once for that comm_id at lowering (register_call_site).
+//     Issue 17 measured XLA's decoding of the full binding at ~0.3 us per call (the no-op rows of
+//     benchmarks/xla_call_overhead.py), which XLA pays on every call whatever the handler does.
+//     jax_blink lowers GPU calls of one process to it (collectives._light_binding).
 // Handler, per call (the fast path: no allocation, no host synchronisation, no lock):
-//   dtype/op/shape checks; the device's error record (a read of pinned host memory): a kernel on
+//   dtype/shape checks; the device's error record (a read of pinned host memory): a kernel on
 //   this GPU failed earlier -> ffi::Error with its message; the site of (comm_id, device) from a
-//   thread-local cache; the program, element size and length must match the site's; one launch
+//   thread-local cache; element size and length must match the site's (full binding: the program
+//   too; light: the registered program was checked at registration and set-up); one launch
 //   through the driver (cuLaunchKernel, the kernel's handle fetched at set-up; none for a one-rank
-//   call whose result aliases its operand). Issue 17 measured the XLA-side decoding of this
-//   binding at ~0.4 us per call (the no-op rows of benchmarks/xla_call_overhead.py); XLA's
-//   instantiate stage (ffi::State) would not remove it, since XLA decodes the execute binding on
-//   every call anyway, and the site lookup here is a thread-local cache hit.
+//   call whose result aliases its operand).
 // First call of a (comm_id, device): reads rank and group from the device (a synchronous copy on
 // the call's stream), then meets its peers on the host (JoinSite: registry keyed on (comm_id,
 // group), condition variable with the call's deadline) and makes the site.
 //
-// Two handler symbols:
-//   JaxBlinkCollectiveCuda       the default (no traits).
-//   JaxBlinkCollectiveCudaGraph  the same, claiming the command-buffer trait. All per-call state
+// Two handler symbols per binding:
+//   JaxBlinkCollectiveCuda       the default (no traits); JaxBlinkCollectiveLiteCuda its light twin.
+//   JaxBlinkCollectiveCudaGraph  the same, claiming the command-buffer trait (JaxBlinkCollectiveLiteCudaGraph). All per-call state
 //     of the kernel lives on the device (call counters bumped by the kernel, flags that only grow,
 //     pointers published by the kernel), so a captured launch replays correctly; the host-side
 //     error check then runs only when XLA (re)records the command buffer, but a kernel on a failed
@@ -31,8 +37,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "cuda_executor.h"
 #include "cuda_ipc.h"
@@ -73,91 +83,196 @@ const char* FfiDtypeName(ffi::DataType dt) {
   }
 }
 
+// What a lowered call site fixes (its program, op, time budget, host share), registered from
+// Python at lowering (register_call_site) and keyed by its comm_id, which is unique per call site
+// in a process: the light binding (JAX_BLINK_LITE_BINDING) then carries the comm_id alone, and XLA
+// does not decode the program span and four more attributes on every call (issue 17: ~0.3 us of
+// the full binding's cost). Registered once, never changed: the "program differs" check is made
+// here, at registration, instead of on every call.
+struct CallSite {
+  std::vector<int32_t> program;
+  int32_t op = 0;
+  int64_t timeout_ms = 0;
+  float host_share = 0.f;
+};
+std::mutex g_call_sites_mu;
+std::unordered_map<int64_t, std::unique_ptr<const CallSite>> g_call_sites;  // entries never move or die
+
+std::string RegisterCallSite(int64_t comm_id, std::vector<int32_t> program, int32_t op, int64_t timeout_ms,
+                             float host_share) {
+  const std::string where = "jax_blink (collective " + std::to_string(comm_id) + "): ";
+  if (op < 0 || op > 2) return where + "op " + std::to_string(op) + " is not supported; supported: 0 (sum), 1 (max), 2 (min)";
+  if (program.empty()) return where + "the schedule program is empty";
+  auto site = std::make_unique<CallSite>();
+  site->program = std::move(program);
+  site->op = op;
+  site->timeout_ms = timeout_ms > 0 ? timeout_ms : 10000;
+  site->host_share = host_share;
+  std::lock_guard<std::mutex> lock(g_call_sites_mu);
+  auto [it, fresh] = g_call_sites.try_emplace(comm_id, nullptr);
+  if (fresh) {
+    it->second = std::move(site);
+    return {};
+  }
+  const CallSite& had = *it->second;
+  if (had.program != site->program || had.op != site->op || had.timeout_ms != site->timeout_ms ||
+      had.host_share != site->host_share)
+    return where + "registered twice with a different program, op, time budget or host share (comm_ids are one "
+                   "per lowered call site: a second lowering must take a new one)";
+  return {};
+}
+
+const CallSite* FindCallSite(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(g_call_sites_mu);
+  auto it = g_call_sites.find(comm_id);
+  return it == g_call_sites.end() ? nullptr : it->second.get();
+}
+
 struct CacheEntry {
   uint64_t generation = 0;
   int64_t comm_id = 0;
   int device = -1;
   jbc::Site* site = nullptr;
+  const CallSite* call = nullptr;  // the light binding's registered site (nullptr for the full binding)
 };
 constexpr int kCacheWays = 16;
 thread_local CacheEntry t_cache[kCacheWays];
 
-jbc::Site* Cached(int64_t comm_id, int device, uint64_t gen) {
-  CacheEntry& e = t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays];
-  return (e.generation == gen && e.comm_id == comm_id && e.device == device) ? e.site : nullptr;
+const CacheEntry* Cached(int64_t comm_id, int device, uint64_t gen) {
+  const CacheEntry& e = t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays];
+  return (e.generation == gen && e.comm_id == comm_id && e.device == device) ? &e : nullptr;
 }
-void Remember(int64_t comm_id, int device, uint64_t gen, jbc::Site* s) {
-  t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays] = CacheEntry{gen, comm_id, device, s};
+void Remember(int64_t comm_id, int device, uint64_t gen, jbc::Site* s, const CallSite* call) {
+  t_cache[static_cast<uint64_t>(comm_id * 31 + device) % kCacheWays] = CacheEntry{gen, comm_id, device, s, call};
 }
 
+std::string Where(int32_t device, int64_t comm_id) {  // error messages only
+  return "jax_blink (GPU " + std::to_string(device) + ", collective " + std::to_string(comm_id) + "): ";
+}
+
+// The checks of every call that need no site: dtype, result shape, the device's error record.
+ffi::Error CheckCall(int32_t device, int64_t comm_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& out,
+                     jbc::DType* dtype) {
+  const ffi::DataType dt = x.element_type();
+  if (!ToDType(dt, dtype))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      Where(device, comm_id) + "dtype " + FfiDtypeName(dt) +
+                          " is not supported; supported: float32, float64, bfloat16, float16, int32, int64");
+  if (out->element_type() != dt || out->element_count() != x.element_count())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      Where(device, comm_id) + "the result must have the operand's shape and dtype");
+  std::string failed = jbc::DeviceError(device);
+  if (!failed.empty()) return ffi::Error(ffi::ErrorCode::kAborted, failed);
+  return ffi::Error::Success();
+}
+
+// First call of (comm_id, device): read rank and group from the device, meet the peers, make the site.
+ffi::Error SetUpSite(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> rank_buf,
+                     ffi::Buffer<ffi::S32> group_buf, const int32_t* program, int64_t program_len, int esize,
+                     int64_t comm_id, int64_t timeout_ms, float host_share, bool graph_handler, jbc::Site** site) {
+  if (rank_buf.element_count() != 1 || group_buf.element_count() != 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, Where(device, comm_id) + "rank and group must be int32 scalars");
+  *site = jbc::FindSite(comm_id, device);
+  if (*site != nullptr) return ffi::Error::Success();
+  if (graph_handler) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        Where(device, comm_id) +
+                            "the first call of a collective cannot be captured in a command buffer "
+                            "(set-up reads the rank and meets the peers on the host): run it once "
+                            "without command buffers, or register the handler without them");
+  }
+  int32_t host[2] = {0, 0};
+  cudaError_t e = cudaMemcpyAsync(&host[0], rank_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(&host[1], group_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, Where(device, comm_id) + "reading rank and group: " + cudaGetErrorString(e));
+  jbc::Options opt;
+  opt.host_share = host_share;
+  if (graph_handler) opt.host_engine = 0;  // the SM host channel replays; copy engines are enqueued per call
+  std::string err = jbc::JoinSite(comm_id, host[1], host[0], device, program, program_len, esize, timeout_ms, opt, site);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
+  return ffi::Error::Success();
+}
+
+// The checks of every call against its site, then the launch.
+ffi::Error LaunchOnSite(jbc::Site* site, int32_t device, int64_t comm_id, jbc::DType dtype, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer>& out, int32_t op, int64_t timeout_ms, cudaStream_t stream) {
+  if (jbc::SiteEsize(site) != static_cast<int>(ffi::ByteWidth(x.element_type())))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      Where(device, comm_id) + "element size differs from the one this collective was set up with");
+  if (jbc::SiteTotalElems(site) != static_cast<int64_t>(x.element_count()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      Where(device, comm_id) + "the operand has " + std::to_string(x.element_count()) +
+                          " elements, the program " + std::to_string(jbc::SiteTotalElems(site)));
+  std::string err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
+  return ffi::Error::Success();
+}
+
+// The full binding: every attribute on every call (the IPC handler's shape; kept for executables
+// lowered without register_call_site, e.g. exported ones, and as the measurement's reference).
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
                    float host_share, bool graph_handler) {
-  auto where = [&] {  // error messages only
-    return "jax_blink (GPU " + std::to_string(device) + ", collective " + std::to_string(comm_id) + "): ";
-  };
-  const ffi::DataType dt = x.element_type();
   jbc::DType dtype;
-  if (!ToDType(dt, &dtype))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + "dtype " + FfiDtypeName(dt) +
-                          " is not supported; supported: float32, float64, bfloat16, float16, int32, int64");
+  if (ffi::Error e = CheckCall(device, comm_id, x, out, &dtype); e.failure()) return e;
   if (op < 0 || op > 2)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + "op " + std::to_string(op) + " is not supported; supported: 0 (sum), 1 (max), 2 (min)");
-  if (out->element_type() != dt || out->element_count() != x.element_count())
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, where() + "the result must have the operand's shape and dtype");
-  if (rank_buf.element_count() != 1 || group_buf.element_count() != 1)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, where() + "rank and group must be int32 scalars");
+                      Where(device, comm_id) + "op " + std::to_string(op) + " is not supported; supported: 0 (sum), 1 (max), 2 (min)");
   if (timeout_ms <= 0) timeout_ms = 10000;
-  {
-    std::string failed = jbc::DeviceError(device);
-    if (!failed.empty()) return ffi::Error(ffi::ErrorCode::kAborted, failed);
-  }
   const uint64_t gen = g_generation.load(std::memory_order_acquire);
-  jbc::Site* site = Cached(comm_id, device, gen);
+  jbc::Site* site = nullptr;
+  if (const CacheEntry* hit = Cached(comm_id, device, gen)) site = hit->site;
   if (site == nullptr) {
-    site = jbc::FindSite(comm_id, device);
-    if (site == nullptr) {
-      if (graph_handler) {
-        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
-          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                            where() + "the first call of a collective cannot be captured in a command buffer "
-                                      "(set-up reads the rank and meets the peers on the host): run it once "
-                                      "without command buffers, or register the handler without them");
-      }
-      int32_t host[2] = {0, 0};
-      cudaError_t e = cudaMemcpyAsync(&host[0], rank_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
-      if (e == cudaSuccess) e = cudaMemcpyAsync(&host[1], group_buf.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
-      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-      if (e != cudaSuccess)
-        return ffi::Error(ffi::ErrorCode::kInternal,
-                          where() + "reading rank and group: " + cudaGetErrorString(e));
-      jbc::Options opt;
-      opt.host_share = host_share;
-      if (graph_handler) opt.host_engine = 0;  // the SM host channel replays; copy engines are enqueued per call
-      std::string err = jbc::JoinSite(comm_id, host[1], host[0], device, program.begin(),
-                                      static_cast<int64_t>(program.size()), static_cast<int>(ffi::ByteWidth(dt)),
-                                      timeout_ms, opt, &site);
-      if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
-    }
-    Remember(comm_id, device, gen, site);
+    if (ffi::Error e = SetUpSite(stream, device, rank_buf, group_buf, program.begin(), static_cast<int64_t>(program.size()),
+                                 static_cast<int>(ffi::ByteWidth(x.element_type())), comm_id, timeout_ms, host_share,
+                                 graph_handler, &site);
+        e.failure())
+      return e;
+    Remember(comm_id, device, gen, site, nullptr);
   }
   if (!jbc::SiteProgramMatches(site, program.begin(), static_cast<int64_t>(program.size())))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + "the schedule program differs from the one this collective was set up with");
-  if (jbc::SiteEsize(site) != static_cast<int>(ffi::ByteWidth(dt)))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + "element size differs from the one this collective was set up with");
-  if (jbc::SiteTotalElems(site) != static_cast<int64_t>(x.element_count()))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + "the operand has " + std::to_string(x.element_count()) + " elements, the program " +
-                          std::to_string(jbc::SiteTotalElems(site)));
-  std::string err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);
-  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
-  return ffi::Error::Success();
+                      Where(device, comm_id) + "the schedule program differs from the one this collective was set up with");
+  return LaunchOnSite(site, device, comm_id, dtype, x, out, op, timeout_ms, stream);
+}
+
+// The light binding: the comm_id names the registered call site (program, op, time budget, host
+// share). The rank and group operands are read at the site's first call only, as above.
+ffi::Error ExecuteLite(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
+                       ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                       bool graph_handler) {
+  jbc::DType dtype;
+  if (ffi::Error e = CheckCall(device, comm_id, x, out, &dtype); e.failure()) return e;
+  const uint64_t gen = g_generation.load(std::memory_order_acquire);
+  const CacheEntry* hit = Cached(comm_id, device, gen);
+  if (hit == nullptr) {
+    const CallSite* call = FindCallSite(comm_id);
+    if (call == nullptr)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        Where(device, comm_id) +
+                            "this call site was not registered in this process (jax_blink registers it when it "
+                            "lowers the call; an executable lowered elsewhere, e.g. exported, needs the full binding: "
+                            "lower it with JAX_BLINK_FULL_BINDING=1)");
+    jbc::Site* site = nullptr;
+    if (ffi::Error e = SetUpSite(stream, device, rank_buf, group_buf, call->program.data(),
+                                 static_cast<int64_t>(call->program.size()), static_cast<int>(ffi::ByteWidth(x.element_type())),
+                                 comm_id, call->timeout_ms, call->host_share, graph_handler, &site);
+        e.failure())
+      return e;
+    // A site joined through the full binding under the same comm_id (never done by jax_blink's
+    // lowering, which gives each site one binding) must still run the registered program.
+    if (!jbc::SiteProgramMatches(site, call->program.data(), static_cast<int64_t>(call->program.size())))
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        Where(device, comm_id) + "the schedule program differs from the one this collective was set up with");
+    Remember(comm_id, device, gen, site, call);
+    hit = Cached(comm_id, device, gen);
+  }
+  return LaunchOnSite(hit->site, device, comm_id, dtype, x, out, hit->call->op, hit->call->timeout_ms, stream);
 }
 
 ffi::Error ExecuteDefault(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
@@ -174,6 +289,16 @@ ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   return Execute(stream, device, x, rank, group, out, program, op, comm_id, timeout_ms, host_share, true);
 }
 
+ffi::Error ExecuteLiteDefault(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                              ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+  return ExecuteLite(stream, device, x, rank, group, out, comm_id, false);
+}
+
+ffi::Error ExecuteLiteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                            ffi::Buffer<ffi::S32> group, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+  return ExecuteLite(stream, device, x, rank, group, out, comm_id, true);
+}
+
 // The measuring stick: the same binding, no work (the caller aliases the result to x). What a
 // chain of these costs per call is XLA's own price for an FFI custom call (benchmarks/
 // xla_call_overhead.py), to set against our handler plus its kernel launch.
@@ -185,6 +310,18 @@ ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ff
 // The same with the least binding XLA allows (one operand, one result, no context, no attributes):
 // what of XLA's price is the binding's (decoding) and what is the thunk's.
 ffi::Error NoOpBare(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+// The light binding (JAX_BLINK_LITE_BINDING), no work.
+ffi::Error NoOpLite(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                    ffi::Result<ffi::AnyBuffer>, int64_t) {
+  return ffi::Error::Success();
+}
+
+// The light binding without the rank and group operands (JAX_BLINK_MIN_BINDING): what dropping
+// them would save, where the device ordinal could name the rank (not done: see NOTES.md change 8).
+ffi::Error NoOpMin(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, int64_t) {
+  return ffi::Error::Success();
+}
 
 }  // namespace
 
@@ -202,7 +339,32 @@ ffi::Error NoOpBare(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::E
       .Attr<int64_t>("timeout_ms")                         \
       .Attr<float>("host_share")
 
+// The light binding: what a call site fixes is registered by comm_id (register_call_site).
+#define JAX_BLINK_LITE_BINDING                             \
+  xla::ffi::Ffi::Bind()                                    \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
+      .Ctx<xla::ffi::DeviceOrdinal>()                      \
+      .Arg<xla::ffi::AnyBuffer>()                          \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
+      .Ret<xla::ffi::AnyBuffer>()                          \
+      .Attr<int64_t>("comm_id")
+
+// A measuring stick only: the light binding less the rank and group operands.
+#define JAX_BLINK_MIN_BINDING                              \
+  xla::ffi::Ffi::Bind()                                    \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
+      .Ctx<xla::ffi::DeviceOrdinal>()                      \
+      .Arg<xla::ffi::AnyBuffer>()                          \
+      .Ret<xla::ffi::AnyBuffer>()                          \
+      .Attr<int64_t>("comm_id")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveLiteCuda, ExecuteLiteDefault, JAX_BLINK_LITE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveLiteCudaGraph, ExecuteLiteGraph, JAX_BLINK_LITE_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpLiteCuda, NoOpLite, JAX_BLINK_LITE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpMinCuda, NoOpMin, JAX_BLINK_MIN_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpCuda, NoOp, JAX_BLINK_BINDING);
@@ -242,8 +404,13 @@ NB_MODULE(_blink_cuda, m) {
         nb::dict d;
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(
             command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
+        // The light binding (register_call_site first): the plain or the command-buffer handler.
+        d["jax_blink_collective_lite"] = nb::capsule(reinterpret_cast<void*>(
+            command_buffers ? &JaxBlinkCollectiveLiteCudaGraph : &JaxBlinkCollectiveLiteCuda));
         d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
         d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
+        d["jax_blink_noop_lite"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpLiteCuda));
+        d["jax_blink_noop_min"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpMinCuda));
         // All-reduce across processes through CUDA IPC (cuda_ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
@@ -254,6 +421,17 @@ NB_MODULE(_blink_cuda, m) {
       "call site must run uncaptured). 'jax_blink_noop' has the same binding and does nothing (alias its "
       "result to x): XLA's own cost per FFI call, for benchmarks/xla_call_overhead.py; 'jax_blink_noop_bare' "
       "the same with one operand, one result and no attributes.");
+
+  m.def(
+      "register_call_site",
+      [](int64_t comm_id, std::vector<int32_t> program, int32_t op, int64_t timeout_ms, float host_share) {
+        std::string err = RegisterCallSite(comm_id, std::move(program), op, timeout_ms, host_share);
+        if (!err.empty()) throw nb::value_error(err.c_str());
+      },
+      nb::arg("comm_id"), nb::arg("program"), nb::arg("op"), nb::arg("timeout_ms"), nb::arg("host_share"),
+      "Register what a lowered call site of 'jax_blink_collective_lite' fixes (schedule program, op, time "
+      "budget in ms, host share), keyed by its comm_id; registering a comm_id again with anything different "
+      "raises ValueError. Needs no GPU.");
 
   m.def(
       "check",

@@ -38,7 +38,7 @@ def _collective_order(hlo: str) -> tuple[list[str], dict[str, set[str]]]:
             continue
         name = m.group(1)
         operands[name] = re.findall(r"%([\w.\-]+)", m.group(2))
-        if 'custom_call_target="jax_blink_collective"' in line:
+        if re.search(r'custom_call_target="jax_blink_collective(?:_lite)?(?:_cb)?"', line):  # any binding, handler
             calls.append((int(re.search(r"comm_id = (\d+)", line).group(1)), name))
     ancestors: dict[str, set[str]] = {}
 

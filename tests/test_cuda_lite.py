@@ -1,0 +1,193 @@
+"""The light binding of the CUDA executor (issue 17): a call carries its comm_id alone and the call
+site's program, op, time budget and host share are registered once (``register_call_site``).
+
+Registration checks need the CUDA module only (no GPU); the calls need one GPU (two for the
+lowering through ``jax_blink.all_reduce``). JAX_BLINK_PDL is read once per process, so its runs
+happen in child processes.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+from jax_blink import _backends, collectives, schedule as S
+from jax_blink.options import override
+
+try:
+    from jax_blink import _blink_cuda
+except ImportError:  # not built (no nvcc) or not importable here
+    _blink_cuda = None
+
+needs_module = pytest.mark.skipif(_blink_cuda is None, reason="needs jax_blink._blink_cuda (a CUDA build)")
+_ids = itertools.count(2 * 10**9)  # far from collectives.py's ids and test_cuda.py's
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+needs_gpu = pytest.mark.skipif(_blink_cuda is None or not _gpus(), reason="needs a GPU and jax_blink._blink_cuda")
+
+
+@functools.cache
+def _register() -> None:
+    assert _backends.register("gpu")
+
+
+def _one_rank_program(n: int) -> list[int]:
+    return [int(w) for w in S.encode(S.Schedule(1, n, n, ()))]
+
+
+@needs_module
+def test_register_call_site_is_idempotent_and_refuses_a_changed_site():
+    cid = next(_ids)
+    prog = _one_rank_program(256)
+    _blink_cuda.register_call_site(cid, prog, 0, 10_000, 0.0)
+    _blink_cuda.register_call_site(cid, prog, 0, 10_000, 0.0)  # the same jaxpr lowered again
+    with pytest.raises(ValueError, match=f"collective {cid}.*registered twice with a different program"):
+        _blink_cuda.register_call_site(cid, _one_rank_program(257), 0, 10_000, 0.0)
+    with pytest.raises(ValueError, match="registered twice"):
+        _blink_cuda.register_call_site(cid, prog, 1, 10_000, 0.0)
+    with pytest.raises(ValueError, match="op 3 is not supported"):
+        _blink_cuda.register_call_site(next(_ids), prog, 3, 10_000, 0.0)
+    with pytest.raises(ValueError, match="program is empty"):
+        _blink_cuda.register_call_site(next(_ids), [], 0, 10_000, 0.0)
+
+
+def test_full_binding_variable_is_checked(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_FULL_BINDING", "maybe")
+    with pytest.raises(ValueError, match="JAX_BLINK_FULL_BINDING='maybe' is not understood"):
+        collectives._light_binding("gpu")
+    monkeypatch.setenv("JAX_BLINK_FULL_BINDING", "1")
+    assert not collectives._light_binding("gpu")
+    monkeypatch.delenv("JAX_BLINK_FULL_BINDING")
+    assert not collectives._light_binding("cpu")  # the CPU executor keeps its binding
+    assert collectives._light_binding("gpu") == _backends.has_call_sites("gpu")
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", [_backends.TARGET_LITE, _backends.TARGET_LITE_CB])
+@pytest.mark.parametrize("alias", [False, True])
+@pytest.mark.parametrize("dtype,n", [("float32", 256), ("bfloat16", 1001), ("int32", 77), ("float32", 300_003)])
+def test_one_rank_chain_through_the_light_binding_is_the_identity(target, alias, dtype, n):
+    _register()
+    rng = np.random.default_rng(n)
+    if jnp.dtype(dtype).kind in "iu":
+        x = jnp.asarray(rng.integers(-10**6, 10**6, size=n), dtype=dtype)
+    else:
+        x = jnp.asarray(rng.standard_normal(n), dtype=dtype)
+    prog = _one_rank_program(n)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            input_output_aliases={0: 0} if alias else None)
+
+    def chain(v):
+        for _ in range(6):  # with XLA's command buffers, a chain this long is captured
+            cid = next(_ids)
+            _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
+            v = call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
+        return v
+
+    f = jax.jit(chain)
+    for _ in range(3):  # the first run sets the sites up; the later ones replay
+        got = np.asarray(f(x))
+        assert got.tobytes() == np.asarray(x).tobytes(), (target, alias, dtype, n)
+    _blink_cuda.check()
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_an_unregistered_call_site_is_refused_by_name():
+    _register()
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(64), jnp.float32)
+    cid = next(_ids)
+    call = jax.ffi.ffi_call(_backends.TARGET_LITE, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    with pytest.raises(Exception, match=f"collective {cid}\\): this call site was not registered"):
+        np.asarray(jax.jit(lambda v: call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid)))(x))
+
+
+def _two_gpu_all_reduce(full_binding: bool, monkeypatch):
+    gpus = _gpus()
+    if len(gpus) < 2:
+        pytest.skip("needs >= 2 GPUs")
+    if full_binding:
+        monkeypatch.setenv("JAX_BLINK_FULL_BINDING", "1")
+    mesh = jax.make_mesh((2,), ("x",), devices=gpus[:2])
+    x = jax.device_put(jnp.asarray(np.random.default_rng(5).standard_normal((2, 1000)), jnp.float32),
+                       NamedSharding(mesh, P("x")))
+    with override(dispatch="blink"):
+        f = jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+        text = f.lower(x).as_text()
+        got = np.asarray(f(x), np.float64)
+    want = np.asarray(x, np.float64).sum(axis=0, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return text
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_all_reduce_lowers_to_the_light_binding_and_matches_the_sum(monkeypatch):
+    text = _two_gpu_all_reduce(False, monkeypatch)
+    assert "@jax_blink_collective_lite(" in text and "program" not in text.split("@jax_blink_collective_lite(")[1][:400]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_full_binding_on_request(monkeypatch):
+    text = _two_gpu_all_reduce(True, monkeypatch)
+    assert "@jax_blink_collective(" in text and "jax_blink_collective_lite" not in text
+
+
+_PDL_CHILD = textwrap.dedent("""
+    import numpy as np, jax, jax.numpy as jnp
+    from jax_blink import _backends, _blink_cuda, schedule as S
+    assert _backends.register("gpu")
+    n = 1000
+    x = jnp.asarray(np.random.default_rng(7).standard_normal(n), jnp.float32)
+    prog = [int(w) for w in S.encode(S.Schedule(1, n, n, ()))]
+    ids = iter(range(3 * 10**9, 3 * 10**9 + 100))
+    for target in (_backends.TARGET_LITE, _backends.TARGET_LITE_CB):  # plain, and captured by XLA
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        def chain(v):
+            for _ in range(8):
+                cid = next(ids)
+                _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
+                v = call(v * 2.0, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
+            return v
+        f = jax.jit(chain)
+        for _ in range(3):  # set-up, then replays
+            got = np.asarray(f(x))
+            assert got.tobytes() == (np.asarray(x) * 256.0).tobytes(), ("wrong result", target)
+    _blink_cuda.check()
+    print("ok")
+""")
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["1", "2"])
+def test_programmatic_launch_of_the_one_rank_copy(value):
+    """JAX_BLINK_PDL=1: XLA's kernels (v * 2) and our copies alternate on one stream, each copy
+    launched with programmatic serialization; results exact. Another value: set-up names it."""
+    env = dict(os.environ, JAX_BLINK_PDL=value)
+    r = subprocess.run([sys.executable, "-c", _PDL_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    if value == "1":
+        assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    else:
+        assert r.returncode != 0 and "JAX_BLINK_PDL='2' is not understood" in r.stderr, r.stderr[-3000:]

@@ -346,13 +346,9 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
         attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
                  _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
         if not _distributed.one_process_per_group(attrs["rank_process"], n):
-            if platform == "gpu":
-                if collective != "allreduce":
-                    raise NotImplementedError(
-                        f"jax_blink: {collective} among GPUs of several processes is not in this build "
-                        "(all_reduce is, through CUDA IPC); use the lax collective")
+            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda_ipc.h)
                 _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
-                                       attrs["rank_process"], attrs["rank_device"])
+                                       attrs["rank_process"], attrs["rank_device"], collective, root)
                 target, extra = _backends.TARGET_IPC, attrs
             else:
                 target, extra = _backends.TARGET_MP, attrs

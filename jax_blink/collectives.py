@@ -467,8 +467,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     hosts = _hosts_of(axes)
     if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
             np.array(hosts.sub_process, np.int32), hosts.local):
-        # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
-        # process only (CUDA IPC carries all_reduce alone).
+        # The inside phases (a reduce-scatter and an all-gather among a host's GPUs) with one
+        # process per GPU would run through CUDA IPC, which carries every collective, but this
+        # layout has never run on GPUs of several hosts: lax, with the fall-back's warning.
         return _run("all_reduce", x, n, None, reference, axes=axes,
                     prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)

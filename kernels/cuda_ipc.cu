@@ -1,7 +1,7 @@
 // CUDA back end of "jax_blink_collective_ipc": see cuda_ipc.h.
 //
 // Region of one rank (cudaMalloc on its GPU, exported once with cudaIpcGetMemHandle):
-//   [0, 256)                control: the push kernel's block counter
+//   [0, 256)                control: the push kernel's block counter, the consume kernels' failure claim
 //   [off_flags, +4 nranks)  flag[p]: the last call number rank p signalled into this region
 //   [off_inbox, ...)        inbox[parity][slot]: the pieces pushed to this rank in calls of that parity
 // Call g (numbered per rank, every rank runs the same calls): parity g & 1.
@@ -67,10 +67,14 @@ constexpr size_t kAlign = 256;
 constexpr int kThreads = 512;
 constexpr int kMaxBlocks = 64;
 
+// Words of a region's control area [0, kAlign): the push kernel's block counter, and the
+// failure claim of its consume kernels.
+constexpr int kCounterWord = 0, kClaimWord = 1;
+
 size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 struct ErrRec {  // pinned, mapped host memory: written by a consume kernel on a timeout
-  volatile int32_t failed;
+  volatile int32_t failed;  // stored last: the fields below are complete once the host sees it
   volatile int32_t waited_for;
   volatile uint32_t call;
   volatile uint32_t observed;
@@ -176,23 +180,28 @@ __global__ void PushKernel(const char* x, int64_t x_off, int64_t x_stride, int64
 }
 
 // Thread 0 waits until every rank's flag in this region reached `seq` (or the budget ends, or
-// another block gave up: then it records whom it waited for, once); the block learns the outcome.
+// another block gave up); the block learns the outcome. The first block to give up claims the
+// region's failure word (device memory, sticky: a real atomic, unlike one on mapped host memory)
+// and records whom it waited for.
 __device__ bool BlockWaitAll(const char* mine, int nranks, size_t off_flags, uint32_t seq,
                              uint64_t timeout_ns, ErrRec* err) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = 1;
     const uint32_t* flags = reinterpret_cast<const uint32_t*>(mine + off_flags);
+    unsigned* claim = const_cast<unsigned*>(reinterpret_cast<const unsigned*>(mine)) + kClaimWord;
     const uint64_t deadline = sync::globaltimer_ns() + timeout_ns;
     for (int p = 0; p < nranks && ok; ++p) {
       uint32_t v = sync::ld_acquire_sys(flags + p);
       for (uint32_t round = 1; !sync::seq_reached(v, seq); ++round) {
         if ((round & 63u) == 0) {
-          if (err->failed != 0 || sync::globaltimer_ns() > deadline) {
-            if (atomicCAS(const_cast<int32_t*>(&err->failed), 0, 1) == 0) {
+          if (*static_cast<volatile unsigned*>(claim) != 0u || sync::globaltimer_ns() > deadline) {
+            if (atomicCAS(claim, 0u, 1u) == 0u) {
               err->waited_for = p;
               err->call = seq;
               err->observed = v;
+              __threadfence_system();
+              err->failed = 1;
               __threadfence_system();
             }
             ok = 0;
@@ -363,7 +372,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   const bool push_vec = Aligned16(xs + x_off) && x_stride % 16 == 0;
   PushKernel<<<BlocksFor(push_bytes / 16 + 1), kThreads, 0, stream>>>(
       xs, x_off, x_stride, push_bytes, push_vec, c->d_peers, n, lo, hi, skip, r, dst_off, c->off_flags, seq,
-      reinterpret_cast<unsigned*>(c->mine));
+      reinterpret_cast<unsigned*>(c->mine) + kCounterWord);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch (push)", e));
 

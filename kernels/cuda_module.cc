@@ -251,7 +251,7 @@ NB_MODULE(_blink_cuda, m) {
             command_buffers ? &JaxBlinkCollectiveCudaGraph : &JaxBlinkCollectiveCuda));
         d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
         d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
-        // All-reduce across processes through CUDA IPC (cuda_ipc.h).
+        // Every collective across processes through CUDA IPC (cuda_ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
       },

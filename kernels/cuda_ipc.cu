@@ -42,7 +42,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstring>
@@ -93,6 +96,7 @@ struct Comm {
   char* mine = nullptr;
   std::vector<char*> peers;      // every rank's region, as this process addresses it
   std::vector<char> opened_ipc;  // which peers[] came from cudaIpcOpenMemHandle
+  std::vector<int64_t> pids;     // every rank's process id (from its payload; 0 unknown)
   int opened = 0;
   char** d_peers = nullptr;      // peers[] on the device, once every peer is open
   uint32_t seq = 0;
@@ -135,13 +139,20 @@ std::string RankName(const Comm& c, int r) {
   return s;
 }
 
+// Whether the process `pid` of this host is gone (IPC peers share the host).
+bool Exited(int64_t pid) { return pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
+
 // The sticky error of a communicator whose wait ran out of time ("" if none).
 std::string TimeoutMessage(const Comm& c) {
   if (c.err == nullptr || c.err->failed == 0) return {};
+  const int w = c.err->waited_for;
+  const int64_t pid = w >= 0 && static_cast<size_t>(w) < c.pids.size() ? c.pids[w] : 0;
+  const std::string why = Exited(pid) ? "its process (pid " + std::to_string(pid) + ") has exited"
+                                      : "a process skipped this collective, died or is stuck";
   return "jax_blink (CUDA IPC, device " + std::to_string(c.device) + ", collective " + std::to_string(c.comm_id) +
-         "): " + RankName(c, c.rank) + " waited past its budget for " + RankName(c, c.err->waited_for) +
-         " in call #" + std::to_string(c.err->call) + " (its last call here: #" + std::to_string(c.err->observed) +
-         "): a process skipped this collective, died or is stuck. This collective fails from now on.";
+         "): " + RankName(c, c.rank) + " waited past its budget for " + RankName(c, w) + " in call #" +
+         std::to_string(c.err->call) + " (its last call here: #" + std::to_string(c.err->observed) + "): " + why +
+         ". This collective fails from now on.";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -455,6 +466,8 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   std::memset(const_cast<ErrRec*>(c->err), 0, sizeof(ErrRec));
   c->peers.assign(nranks, nullptr);
   c->opened_ipc.assign(nranks, 0);
+  c->pids.assign(nranks, 0);
+  c->pids[rank] = getpid();
   c->peers[rank] = c->mine;
   payload->resize(sizeof(h) + 16);
   const uint64_t pid = static_cast<uint64_t>(getpid()), addr = reinterpret_cast<uintptr_t>(c->mine);
@@ -478,6 +491,7 @@ std::string Open(int64_t comm_id, int32_t group, int32_t rank, int32_t peer, con
   std::memcpy(&h, payload.data(), sizeof(h));
   std::memcpy(&pid, payload.data() + sizeof(h), 8);
   std::memcpy(&addr, payload.data() + sizeof(h) + 8, 8);
+  c.pids[peer] = static_cast<int64_t>(pid);
   DeviceGuard dg(c.device);
   if (pid == static_cast<uint64_t>(getpid())) {
     c.peers[peer] = reinterpret_cast<char*>(addr);  // this process's own memory (peer access as XLA set it)

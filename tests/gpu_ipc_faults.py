@@ -6,12 +6,14 @@ Two processes (one GPU each where two or more are present, else both on GPU 0, a
 tests/gpu_ipc_selftest.py lays them out) run the same jax_blink collective, with
 JAX_BLINK_TIMEOUT_S=3. Both make calls 1 and 2 (checked against numpy); then process 1 stops:
 ``skip``: it never makes call 3 and waits (for the store) until process 0 is done, then leaves
-normally; ``kill``: it sends itself SIGKILL. Process 0 makes call 3, whose wait gives up at the
+normally; ``kill``: it sends itself SIGKILL (and the error must also say that its process exited). Process 0 makes call 3, whose wait gives up at the
 budget, then ``jax_blink.check()`` and call 4 must both raise an error naming "rank 1 (process 1)",
 within the budget plus a margin, and process 0 must exit afterwards (no kernel left spinning: it
 frees its IPC regions first, which waits for the GPU). broadcast is rooted at process 0, which
 receives no data: only the flag protocol tells it that process 1 is missing. Exits 0 when all
-holds; prints a JSON summary.
+holds; prints a JSON summary. ``kill`` runs with jax's ``jax_enable_recoverability`` on, where
+jax has it: otherwise jax's coordination service may end the survivor itself when it sees the
+other process die.
 """
 from __future__ import annotations
 
@@ -40,6 +42,13 @@ def child(pid: int, port: int, distinct: bool, fault: str, what: str) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    if fault == "kill":
+        # Without it jax's coordination service may end the survivor itself once it sees a task
+        # die (by design: the job fails); this test is about what jax_blink does then.
+        try:
+            jax.config.update("jax_enable_recoverability", True)
+        except (AttributeError, KeyError, ValueError):  # a jax without the option
+            pass
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                                local_device_ids=[pid if distinct else 0])
     import jax_blink
@@ -88,6 +97,9 @@ def child(pid: int, port: int, distinct: bool, fault: str, what: str) -> dict:
     _backends.module("gpu").ipc_release()
     failures = [f"{k} did not name rank 1 (process 1): {v[:400]}" for k, v in errors.items()
                 if "rank 1 (process 1)" not in v]
+    if fault == "kill":  # the message tells a dead process from a late one (its pid is gone)
+        failures += [f"{k} did not say that the process exited: {v[:400]}" for k, v in errors.items()
+                     if "has exited" not in v]
     if t_error > TIMEOUT_S + MARGIN_S:
         failures.append(f"the error took {t_error:.1f} s, more than the budget {TIMEOUT_S:g} s + {MARGIN_S:g} s")
     if fault == "skip":

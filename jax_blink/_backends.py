@@ -27,7 +27,7 @@ TARGET_NOOP_MIN = "jax_blink_noop_min"
 
 #: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
 TARGET_MP = "jax_blink_collective_mp"
-#: GPU: all-reduce across processes through CUDA IPC (kernels/cuda_ipc.h).
+#: GPU: every collective across processes through CUDA IPC (kernels/cuda_ipc.h).
 TARGET_IPC = "jax_blink_collective_ipc"
 #: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
 TARGET_AFTER = "jax_blink_after"

@@ -346,13 +346,9 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
         attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
                  _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
         if not _distributed.one_process_per_group(attrs["rank_process"], n):
-            if platform == "gpu":
-                if collective != "allreduce":
-                    raise NotImplementedError(
-                        f"jax_blink: {collective} among GPUs of several processes is not in this build "
-                        "(all_reduce is, through CUDA IPC); use the lax collective")
+            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda_ipc.h)
                 _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
-                                       attrs["rank_process"], attrs["rank_device"])
+                                       attrs["rank_process"], attrs["rank_device"], collective, root)
                 target, extra = _backends.TARGET_IPC, attrs
             else:
                 target, extra = _backends.TARGET_MP, attrs
@@ -490,8 +486,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     hosts = _hosts_of(axes)
     if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
             np.array(hosts.sub_process, np.int32), hosts.local):
-        # The inside phases are a reduce-scatter and an all-gather: on GPUs those run inside one
-        # process only (CUDA IPC carries all_reduce alone).
+        # The inside phases (a reduce-scatter and an all-gather among a host's GPUs) with one
+        # process per GPU would run through CUDA IPC, which carries every collective, but this
+        # layout has never run on GPUs of several hosts: lax, with the fall-back's warning.
         return _run("all_reduce", x, n, None, reference, axes=axes,
                     prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)

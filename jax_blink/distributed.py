@@ -312,6 +312,8 @@ def _platform_of(x) -> str:
 # GPUs: CUDA IPC (kernels/cuda_ipc.h), set up at trace time through the store.
 
 _IPC_KEY = "jax_blink/ipc/{}/{}/{}"  # comm_id, group, rank
+#: The collectives of the CUDA IPC executor, numbered as kernels/cuda_ipc.h's Collective.
+IPC_COLLECTIVES = {"allreduce": 0, "allgather": 1, "reducescatter": 2, "broadcast": 3, "reduce": 4}
 _PROBE_COMM = -1  # the job's probe region: can these processes open each other's memory?
 
 
@@ -319,8 +321,6 @@ def _gpu_problem(what: str) -> str | None:
     mod = _backends.module("gpu")
     if mod is None or not hasattr(mod, "ipc_create") or not _backends.register("gpu"):
         return "no CUDA executor with a CUDA IPC path in this build"
-    if what != "all_reduce":
-        return (f"{what} across processes on GPUs is not in this build (all_reduce is, through CUDA IPC)")
     if not has_client():
         return (f"this job runs {jax.process_count()} processes but has no jax.distributed client to "
                 "exchange CUDA IPC handles through (call jax.distributed.initialize in every process)")
@@ -353,10 +353,14 @@ def _ipc_probe() -> str | None:
     return None
 
 
-def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_device: np.ndarray) -> None:
+def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_device: np.ndarray,
+              collective: str = "allreduce", root: int | None = None) -> None:
     """Register this process's ranks of call site ``comm_id`` (every group) for CUDA IPC, publish
-    their handles in the store and open their peers' (once per call site, at trace time). Raises
+    their handles in the store and open their peers' (once per call site, at trace time).
+    ``collective``: a key of :data:`IPC_COLLECTIVES` (``root`` for broadcast and reduce). Raises
     RuntimeError naming the process that did not answer or why CUDA refused."""
+    if collective not in IPC_COLLECTIVES:
+        raise ValueError(f"jax_blink: {collective!r} has no CUDA IPC form; it takes one of {sorted(IPC_COLLECTIVES)}")
     mod = _backends.module("gpu")
     client = _client()
     me = jax.process_index()
@@ -369,7 +373,9 @@ def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_
         dev = local.get(int(rank_device[g * n + r])) if comm_id != _PROBE_COMM else jax.local_devices()[0]
         if dev is None:
             raise RuntimeError(f"rank {r} of group {g} is on device {rank_device[g * n + r]}, not one of this process's")
-        payload = mod.ipc_create(comm_id, g, r, n, int(nbytes), int(dev.local_hardware_id))
+        payload = mod.ipc_create(comm_id, g, r, n, int(nbytes), int(dev.local_hardware_id),
+                                 IPC_COLLECTIVES[collective], int(root or 0),
+                                 [int(p) for p in rank_process[g * n:(g + 1) * n]])
         client.key_value_set_bytes(_IPC_KEY.format(comm_id, g, r), payload)
     for g, r in mine:
         for q in range(n):

@@ -1,28 +1,52 @@
 // CUDA back end of "jax_blink_collective_ipc": see cuda_ipc.h.
 //
 // Region of one rank (cudaMalloc on its GPU, exported once with cudaIpcGetMemHandle):
-//   [0, 256)                control: the push kernel's block counter
-//   [off_flags, +4 nranks)  flag[p]: the last call number rank p pushed into this inbox
-//   [off_inbox, ...)        inbox[parity][p]: rank p's operand of the calls of that parity
-// Call g (numbered per rank, every rank runs the same calls): parity g & 1. The push kernel copies
-// the operand into inbox[parity][rank] of every rank's region (its own included); its last block
-// (block counter, __threadfence_system) stores g into flag[rank] of every region with st.release.sys.
-// The reduce kernel: thread 0 of each block waits (ld.acquire.sys, deadline on %globaltimer) for
-// flag[p] >= g for every p, then the block reduces inbox[parity][0..nranks) in rank order.
-// Why two parities suffice: rank q writes parity (g & 1) of rank p's inbox in call g only after its
-// call g - 1 saw every flag of call g - 1, and p stores its call g - 1 flags only after its call
-// g - 2 reduce (stream order): p is done reading parity (g & 1) of call g - 2.
-// A wait past its budget records who it waited for in pinned host memory; the next call on this
-// GPU returns the error (a kernel cannot raise) naming the rank and its process.
+//   [0, 256)                control: the push kernel's block counter, the consume kernels' failure claim
+//   [off_flags, +4 nranks)  flag[p]: the last call number rank p signalled into this region
+//   [off_inbox, ...)        inbox[parity][slot]: the pieces pushed to this rank in calls of that parity
+// Call g (numbered per rank, every rank runs the same calls): parity g & 1.
+// Push kernel: copies this rank's pieces into the inboxes of the ranks that need them (parity
+// g & 1), then its last block (block counter, __threadfence_system) stores g into flag[rank] of
+// EVERY rank's region with st.release.sys, whether or not that rank got data.
+// Consume kernel: thread 0 of each block waits (ld.acquire.sys, deadline on %globaltimer) until
+// flag[p] >= g for EVERY p, then the block reduces or copies its inbox (parity g & 1) into the result.
+//   all_reduce:     rank r pushes x into slot r of every inbox; every rank reduces slots 0..n-1.
+//   all_gather:     rank r pushes piece r of x into slot r of every inbox; every rank copies slot p
+//                   to piece p of its result.
+//   reduce_scatter: rank r pushes piece j of x into slot r of rank j's inbox only; rank j reduces
+//                   slots 0..n-1 into piece j of its result.
+//   broadcast:      the root pushes x into slot 0 of every other rank's inbox; they copy it out,
+//                   the root copies its own x.
+//   reduce:         every rank pushes x into slot r of the root's inbox; the root reduces slots
+//                   0..n-1, the others copy their own x (collectives.reduce keeps it anyway).
+// Slots hold one piece (all_gather, reduce_scatter: operand / n bytes) or the whole operand; a
+// rank that receives nothing (broadcast's root, reduce's non-roots) allocates no inbox.
+// Reductions run in rank order, so ranks that compute the same element get the same bits.
+//
+// Why two parities suffice, also where data goes to only some ranks: every rank signals every
+// rank in every call and waits for every rank's signal, so the flags form a full barrier per call
+// whatever the data pattern. Rank q writes parity (g & 1) of rank p's inbox in call g only after
+// q's call g - 1 consume (stream order) saw p's flag reach g - 1; p stored that flag at the end of
+// its call g - 1 push, which follows (stream order) p's call g - 2 consume, the last reader of
+// parity (g & 1) before call g. So the inbox q writes is free. Flags only grow and a wait asks
+// for >= g, so a peer one call ahead does not confuse it (it cannot be two ahead: its call g + 1
+// consume needs this rank's flag g + 1). Drop either half (a rank that pushes no data skipping
+// its signal, or a rank that needs no data skipping its wait) and a broadcast's root, which waits
+// for nobody's data, could overwrite an inbox that its reader has not copied out yet.
+// A wait past its budget records who it waited for in pinned host memory; the next call of that
+// collective on this GPU, or jax_blink.check(), returns the error (a kernel cannot raise) naming
+// the rank and its process.
 
 #include "cuda_ipc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -45,10 +69,14 @@ constexpr size_t kAlign = 256;
 constexpr int kThreads = 512;
 constexpr int kMaxBlocks = 64;
 
+// Words of a region's control area [0, kAlign): the push kernel's block counter, and the
+// failure claim of its consume kernels.
+constexpr int kCounterWord = 0, kClaimWord = 1;
+
 size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-struct ErrRec {  // pinned, mapped host memory: written by the reduce kernel on a timeout
-  volatile int32_t failed;
+struct ErrRec {  // pinned, mapped host memory: written by a consume kernel on a timeout
+  volatile int32_t failed;  // stored last: the fields below are complete once the host sees it
   volatile int32_t waited_for;
   volatile uint32_t call;
   volatile uint32_t observed;
@@ -57,12 +85,17 @@ struct ErrRec {  // pinned, mapped host memory: written by the reduce kernel on 
 struct Comm {
   int64_t comm_id = 0;
   int32_t group = 0, rank = 0, nranks = 0;
+  Collective kind = Collective::kAllReduce;
+  int32_t root = 0;
+  std::vector<int32_t> processes;  // every rank's process index (messages), may be empty
   int device = 0;
-  int64_t bytes = 0;
+  int64_t bytes = 0;  // the operand's (and the result's) size
+  int64_t piece = 0;  // what one rank pushes to one peer
   size_t slot = 0, off_flags = 0, off_inbox = 0, size = 0;
   char* mine = nullptr;
   std::vector<char*> peers;      // every rank's region, as this process addresses it
   std::vector<char> opened_ipc;  // which peers[] came from cudaIpcOpenMemHandle
+  std::vector<int64_t> pids;     // every rank's process id (from its payload; 0 unknown)
   int opened = 0;
   char** d_peers = nullptr;      // peers[] on the device, once every peer is open
   uint32_t seq = 0;
@@ -73,6 +106,17 @@ struct Comm {
 std::mutex g_mu;
 std::map<std::tuple<int64_t, int32_t, int32_t>, std::unique_ptr<Comm>> g_comms;  // (comm, group, rank)
 std::map<std::pair<int64_t, int>, Comm*> g_by_device;                           // (comm, device)
+
+// Slots of a receiving rank's inbox per parity (the same in every receiving rank, so that a
+// pusher computes a peer's slot address from its own layout).
+int InboxSlots(Collective k, int nranks) { return k == Collective::kBroadcast ? 1 : nranks; }
+
+// Whether rank `r` receives pushed data at all.
+bool Receives(Collective k, int r, int root) {
+  if (k == Collective::kBroadcast) return r != root;
+  if (k == Collective::kReduce) return r == root;
+  return true;
+}
 
 std::string CudaError(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorString(e);
@@ -87,22 +131,52 @@ struct DeviceGuard {
   ~DeviceGuard() { cudaSetDevice(saved); }
 };
 
+std::string RankName(const Comm& c, int r) {
+  std::string s = "rank " + std::to_string(r);
+  if (static_cast<size_t>(r) < c.processes.size() && c.processes[r] >= 0)
+    s += " (process " + std::to_string(c.processes[r]) + ")";
+  return s;
+}
+
+// Whether the process `pid` of this host is gone (IPC peers share the host).
+bool Exited(int64_t pid) { return pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
+
+// The sticky error of a communicator whose wait ran out of time ("" if none).
+std::string TimeoutMessage(const Comm& c) {
+  if (c.err == nullptr || c.err->failed == 0) return {};
+  const int w = c.err->waited_for;
+  const int64_t pid = w >= 0 && static_cast<size_t>(w) < c.pids.size() ? c.pids[w] : 0;
+  const std::string why = Exited(pid) ? "its process (pid " + std::to_string(pid) + ") has exited"
+                                      : "a process skipped this collective, died or is stuck";
+  return "jax_blink (CUDA IPC, device " + std::to_string(c.device) + ", collective " + std::to_string(c.comm_id) +
+         "): " + RankName(c, c.rank) + " waited past its budget for " + RankName(c, w) + " in call #" +
+         std::to_string(c.err->call) + " (its last call here: #" + std::to_string(c.err->observed) + "): " + why +
+         ". This collective fails from now on.";
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels.
 
-__global__ void PushKernel(const char* x, int64_t bytes, bool vec, char* const* peers, int nranks,
-                           int rank, size_t dst_off, size_t off_flags, uint32_t seq,
-                           unsigned* counter) {
+// Copies `bytes` bytes from src to dst, 16 bytes at a time where `vec` (both aligned), by the
+// grid's threads in a grid-stride loop.
+__device__ __forceinline__ void GridCopy(char* dst, const char* src, int64_t bytes, bool vec) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t n16 = vec ? bytes / 16 : 0;
-  for (int p = 0; p < nranks; ++p) {
-    char* dst = peers[p] + dst_off;
-    uint4* d16 = reinterpret_cast<uint4*>(dst);
-    const uint4* s16 = reinterpret_cast<const uint4*>(x);
-    for (int64_t i = tid; i < n16; i += stride) d16[i] = s16[i];
-    for (int64_t i = n16 * 16 + tid; i < bytes; i += stride) dst[i] = x[i];
-  }
+  uint4* d16 = reinterpret_cast<uint4*>(dst);
+  const uint4* s16 = reinterpret_cast<const uint4*>(src);
+  for (int64_t i = tid; i < n16; i += stride) d16[i] = __ldcg(s16 + i);
+  for (int64_t i = n16 * 16 + tid; i < bytes; i += stride) dst[i] = __ldcg(src + i);
+}
+
+// Pushes x + x_off + p * x_stride (`bytes` bytes) into peers[p] + dst_off for every p in
+// [lo, hi) but `skip`, then its last block signals call `seq` into flag[rank] of EVERY rank's
+// region (see the proof above: ranks that got no data are signalled too).
+__global__ void PushKernel(const char* x, int64_t x_off, int64_t x_stride, int64_t bytes, bool vec,
+                           char* const* peers, int nranks, int lo, int hi, int skip, int rank,
+                           size_t dst_off, size_t off_flags, uint32_t seq, unsigned* counter) {
+  for (int p = lo; p < hi; ++p)
+    if (p != skip) GridCopy(peers[p] + dst_off, x + x_off + p * x_stride, bytes, vec);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
@@ -113,6 +187,44 @@ __global__ void PushKernel(const char* x, int64_t bytes, bool vec, char* const* 
         sync::st_release_sys(reinterpret_cast<uint32_t*>(peers[p] + off_flags) + rank, seq);
     }
   }
+}
+
+// Thread 0 waits until every rank's flag in this region reached `seq` (or the budget ends, or
+// another block gave up); the block learns the outcome. The first block to give up claims the
+// region's failure word (device memory, sticky: a real atomic, unlike one on mapped host memory)
+// and records whom it waited for.
+__device__ bool BlockWaitAll(const char* mine, int nranks, size_t off_flags, uint32_t seq,
+                             uint64_t timeout_ns, ErrRec* err) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    const uint32_t* flags = reinterpret_cast<const uint32_t*>(mine + off_flags);
+    unsigned* claim = const_cast<unsigned*>(reinterpret_cast<const unsigned*>(mine)) + kClaimWord;
+    const uint64_t deadline = sync::globaltimer_ns() + timeout_ns;
+    for (int p = 0; p < nranks && ok; ++p) {
+      uint32_t v = sync::ld_acquire_sys(flags + p);
+      for (uint32_t round = 1; !sync::seq_reached(v, seq); ++round) {
+        if ((round & 63u) == 0) {
+          if (*static_cast<volatile unsigned*>(claim) != 0u || sync::globaltimer_ns() > deadline) {
+            if (atomicCAS(claim, 0u, 1u) == 0u) {
+              err->waited_for = p;
+              err->call = seq;
+              err->observed = v;
+              __threadfence_system();
+              err->failed = 1;
+              __threadfence_system();
+            }
+            ok = 0;
+            break;
+          }
+          __nanosleep(256);
+        }
+        v = sync::ld_acquire_sys(flags + p);
+      }
+    }
+  }
+  __syncthreads();
+  return ok != 0;
 }
 
 template <class T>
@@ -141,37 +253,12 @@ __device__ __forceinline__ A Combine(A a, A b) {
   else return (a <= b || a != a) ? a : b;
 }
 
+// Waits for every rank, then out[i] = slot 0 [i] op slot 1 [i] op ... (rank order), i < n.
 template <class T, int OP>
 __global__ void WaitReduceKernel(const char* mine, T* out, int64_t n, int nranks, size_t src_off,
                                  size_t slot, size_t off_flags, uint32_t seq, uint64_t timeout_ns,
                                  ErrRec* err) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) {
-    ok = 1;
-    const uint32_t* flags = reinterpret_cast<const uint32_t*>(mine + off_flags);
-    const uint64_t deadline = sync::globaltimer_ns() + timeout_ns;
-    for (int p = 0; p < nranks && ok; ++p) {
-      uint32_t v = sync::ld_acquire_sys(flags + p);
-      for (uint32_t round = 1; !sync::seq_reached(v, seq); ++round) {
-        if ((round & 63u) == 0) {
-          if (err->failed != 0 || sync::globaltimer_ns() > deadline) {
-            if (atomicCAS(const_cast<int32_t*>(&err->failed), 0, 1) == 0) {
-              err->waited_for = p;
-              err->call = seq;
-              err->observed = v;
-              __threadfence_system();
-            }
-            ok = 0;
-            break;
-          }
-          __nanosleep(256);
-        }
-        v = sync::ld_acquire_sys(flags + p);
-      }
-    }
-  }
-  __syncthreads();
-  if (!ok) return;
+  if (!BlockWaitAll(mine, nranks, off_flags, seq, timeout_ns, err)) return;
   using A = Acc<T>;
   const T* base = reinterpret_cast<const T*>(mine + src_off);
   const size_t slot_elems = slot / sizeof(T);
@@ -183,30 +270,67 @@ __global__ void WaitReduceKernel(const char* mine, T* out, int64_t n, int nranks
   }
 }
 
+// Waits for every rank, then copies `count` pieces of `bytes` bytes: src + k * src_stride to
+// dst + k * dst_stride.
+__global__ void WaitCopyKernel(const char* mine, const char* src, int64_t src_stride, char* dst,
+                               int64_t dst_stride, int count, int64_t bytes, bool vec, int nranks,
+                               size_t off_flags, uint32_t seq, uint64_t timeout_ns, ErrRec* err) {
+  if (!BlockWaitAll(mine, nranks, off_flags, seq, timeout_ns, err)) return;
+  for (int k = 0; k < count; ++k) GridCopy(dst + k * dst_stride, src + k * src_stride, bytes, vec);
+}
+
+struct ReduceArgs {
+  const char* mine;
+  void* out;
+  int64_t n;
+  int nranks;
+  size_t src_off, slot, off_flags;
+  uint32_t seq;
+  uint64_t timeout_ns;
+  ErrRec* err;
+};
+
 template <class T>
-cudaError_t LaunchReduce(int op, int blocks, cudaStream_t s, const char* mine, void* out, int64_t n,
-                         int nranks, size_t src_off, size_t slot, size_t off_flags, uint32_t seq,
-                         uint64_t timeout_ns, ErrRec* err) {
-  T* o = static_cast<T*>(out);
-  if (op == 0) WaitReduceKernel<T, 0><<<blocks, kThreads, 0, s>>>(mine, o, n, nranks, src_off, slot, off_flags, seq, timeout_ns, err);
-  else if (op == 1) WaitReduceKernel<T, 1><<<blocks, kThreads, 0, s>>>(mine, o, n, nranks, src_off, slot, off_flags, seq, timeout_ns, err);
-  else WaitReduceKernel<T, 2><<<blocks, kThreads, 0, s>>>(mine, o, n, nranks, src_off, slot, off_flags, seq, timeout_ns, err);
+cudaError_t LaunchReduce(int op, int blocks, cudaStream_t s, const ReduceArgs& a) {
+  T* o = static_cast<T*>(a.out);
+  if (op == 0) WaitReduceKernel<T, 0><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
+  else if (op == 1) WaitReduceKernel<T, 1><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
+  else WaitReduceKernel<T, 2><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
   return cudaGetLastError();
 }
 
-ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
-
-std::string RankName(int r, ffi::Span<const int32_t> procs, int group, int n) {
-  const size_t i = static_cast<size_t>(group) * n + r;
-  std::string s = "rank " + std::to_string(r);
-  if (i < procs.size() && procs[i] >= 0) s += " (process " + std::to_string(procs[i]) + ")";
-  return s;
+bool Supported(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: case ffi::DataType::F64: case ffi::DataType::S32:
+    case ffi::DataType::S64: case ffi::DataType::BF16: case ffi::DataType::F16: return true;
+    default: return false;
+  }
 }
+
+// For a type that Supported() accepted.
+cudaError_t LaunchReduceTyped(ffi::DataType t, int op, int blocks, cudaStream_t s, const ReduceArgs& a) {
+  switch (t) {
+    case ffi::DataType::F32: return LaunchReduce<float>(op, blocks, s, a);
+    case ffi::DataType::F64: return LaunchReduce<double>(op, blocks, s, a);
+    case ffi::DataType::S32: return LaunchReduce<int32_t>(op, blocks, s, a);
+    case ffi::DataType::S64: return LaunchReduce<long long>(op, blocks, s, a);
+    case ffi::DataType::BF16: return LaunchReduce<__nv_bfloat16>(op, blocks, s, a);
+    default: return LaunchReduce<__half>(op, blocks, s, a);
+  }
+}
+
+int BlocksFor(int64_t units) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, (units + kThreads - 1) / kThreads)));
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> /*rank*/,
                    ffi::Buffer<ffi::S32> /*group*/, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Span<const int32_t> /*program*/, int32_t op, int64_t comm_id, int64_t timeout_ms,
-                   float /*host_share*/, ffi::Span<const int32_t> rank_process,
+                   float /*host_share*/, ffi::Span<const int32_t> /*rank_process*/,
                    ffi::Span<const int32_t> /*rank_device*/, int64_t /*setup_timeout_ms*/) {
   Comm* c = nullptr;
   {
@@ -219,47 +343,89 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   if (c == nullptr || c->d_peers == nullptr)
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 where + "not set up in this process (the lowering's set-up did not run for this device)");
-  if (c->err->failed != 0)
-    return Fail(ffi::ErrorCode::kDeadlineExceeded,
-                where + RankName(c->rank, rank_process, c->group, c->nranks) + " waited past its budget for " +
-                    RankName(c->err->waited_for, rank_process, c->group, c->nranks) + " in call #" +
-                    std::to_string(c->err->call) + " (its last call here: #" + std::to_string(c->err->observed) +
-                    "): a process skipped this collective, died or is stuck. This collective fails from now on.");
+  const std::string timed_out = TimeoutMessage(*c);
+  if (!timed_out.empty()) return Fail(ffi::ErrorCode::kDeadlineExceeded, timed_out);
   if (static_cast<int64_t>(x.size_bytes()) != c->bytes || out->size_bytes() != x.size_bytes())
     return Fail(ffi::ErrorCode::kInvalidArgument, where + "operand size differs from the set-up's");
   if (op < 0 || op > 2) return Fail(ffi::ErrorCode::kInvalidArgument, where + "op must be 0, 1 or 2");
+  // Refused before anything is launched: a call that pushes must also consume (the call count).
+  const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  if (!Supported(x.element_type()) || c->piece % itemsize != 0)
+    return Fail(ffi::ErrorCode::kInvalidArgument, where + "unsupported dtype (float32, float64, bfloat16, float16, "
+                                                          "int32, int64 are), or a piece of a fraction of an element");
+
+  const Collective k = c->kind;
+  const int n = c->nranks, r = c->rank, root = c->root;
   const uint32_t seq = ++c->seq;
   const size_t par = seq & 1u;
-  const size_t dst_off = c->off_inbox + (par * c->nranks + c->rank) * c->slot;
-  const size_t src_off = c->off_inbox + par * c->nranks * c->slot;
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, (n + kThreads - 1) / kThreads)));
-  const bool vec = reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 == 0;
-  PushKernel<<<blocks, kThreads, 0, stream>>>(static_cast<const char*>(x.untyped_data()), c->bytes, vec,
-                                              c->d_peers, c->nranks, c->rank, dst_off, c->off_flags, seq,
-                                              reinterpret_cast<unsigned*>(c->mine));
-  const uint64_t tns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 10000) * 1000000ull;
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) {
-    switch (x.element_type()) {
-      case ffi::DataType::F32: e = LaunchReduce<float>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      case ffi::DataType::F64: e = LaunchReduce<double>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      case ffi::DataType::S32: e = LaunchReduce<int32_t>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      case ffi::DataType::S64: e = LaunchReduce<long long>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      case ffi::DataType::BF16: e = LaunchReduce<__nv_bfloat16>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      case ffi::DataType::F16: e = LaunchReduce<__half>(op, blocks, stream, c->mine, out->untyped_data(), n, c->nranks, src_off, c->slot, c->off_flags, seq, tns, c->d_err); break;
-      default: return Fail(ffi::ErrorCode::kInvalidArgument, where + "unsupported dtype");
-    }
+  const size_t recv_slots = static_cast<size_t>(InboxSlots(k, n));
+  const size_t slot_index = k == Collective::kBroadcast ? 0 : static_cast<size_t>(r);
+  const size_t dst_off = c->off_inbox + (par * recv_slots + slot_index) * c->slot;  // in a receiver's region
+  const size_t src_off = c->off_inbox + par * recv_slots * c->slot;                // in mine
+  const char* xs = static_cast<const char*>(x.untyped_data());
+  char* os = static_cast<char*>(out->untyped_data());
+
+  // What this rank pushes: x + x_off + p * x_stride (piece bytes) to every p in [lo, hi) but skip.
+  int64_t x_off = 0, x_stride = 0, push_bytes = c->piece;
+  int lo = 0, hi = n, skip = -1;
+  switch (k) {
+    case Collective::kAllReduce: break;
+    case Collective::kAllGather: x_off = r * c->piece; break;
+    case Collective::kReduceScatter: x_stride = c->piece; break;
+    case Collective::kBroadcast:
+      if (r == root) skip = root;
+      else push_bytes = 0, hi = 0;  // signals only
+      break;
+    case Collective::kReduce: lo = root, hi = root + 1; break;
   }
-  if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch", e));
+  // 16-byte copies where every piece starts aligned (inbox slots are 256-aligned).
+  const bool push_vec = Aligned16(xs + x_off) && x_stride % 16 == 0;
+  PushKernel<<<BlocksFor(push_bytes / 16 + 1), kThreads, 0, stream>>>(
+      xs, x_off, x_stride, push_bytes, push_vec, c->d_peers, n, lo, hi, skip, r, dst_off, c->off_flags, seq,
+      reinterpret_cast<unsigned*>(c->mine) + kCounterWord);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch (push)", e));
+
+  const uint64_t tns = static_cast<uint64_t>(timeout_ms > 0 ? timeout_ms : 10000) * 1000000ull;
+  const bool reduces = k == Collective::kAllReduce || k == Collective::kReduceScatter ||
+                       (k == Collective::kReduce && r == root);
+  if (reduces) {
+    // reduce_scatter: this rank's piece only; the others: the whole operand.
+    const int64_t out_off = k == Collective::kReduceScatter ? r * c->piece : 0;
+    const int64_t elems = c->piece / itemsize;
+    const ReduceArgs a{c->mine, os + out_off, elems, n, src_off, c->slot, c->off_flags, seq, tns, c->d_err};
+    e = LaunchReduceTyped(x.element_type(), op, BlocksFor(elems), stream, a);
+  } else {
+    // Copies: all_gather every slot to its piece; a broadcast's non-root its one slot; a
+    // broadcast's root and a reduce's non-roots their own x (nothing where the result is x).
+    const char* src = c->mine + src_off;
+    int64_t src_stride = static_cast<int64_t>(c->slot), dst_stride = c->piece;
+    int count = 1;
+    if (k == Collective::kAllGather) count = n;
+    if (!Receives(k, r, root)) {
+      src = xs, src_stride = 0;
+      count = os == xs ? 0 : 1;
+    }
+    const bool vec = Aligned16(src) && Aligned16(os) && (count <= 1 || (src_stride % 16 == 0 && dst_stride % 16 == 0));
+    WaitCopyKernel<<<BlocksFor(c->piece / 16 + 1), kThreads, 0, stream>>>(
+        c->mine, src, src_stride, os, dst_stride, count, c->piece, vec, n, c->off_flags, seq, tns, c->d_err);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch (consume)", e));
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks, int64_t bytes, int device,
+                   Collective kind, int32_t root, const std::vector<int32_t>& processes,
                    std::vector<uint8_t>* payload) {
   if (nranks < 2 || rank < 0 || rank >= nranks || bytes <= 0) return "bad rank, rank count or size";
+  if (static_cast<int>(kind) < 0 || static_cast<int>(kind) >= kNumCollectives) return "unknown collective";
+  if (root < 0 || root >= nranks) return "root out of range";
+  const bool pieces = kind == Collective::kAllGather || kind == Collective::kReduceScatter;
+  if (pieces && bytes % nranks != 0)
+    return "operand of " + std::to_string(bytes) + " bytes does not split into " + std::to_string(nranks) + " pieces";
   std::lock_guard<std::mutex> g(g_mu);
   auto key = std::make_tuple(comm_id, group, rank);
   if (g_comms.count(key)) return "rank " + std::to_string(rank) + " of this collective is already registered";
@@ -268,12 +434,17 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   c->group = group;
   c->rank = rank;
   c->nranks = nranks;
+  c->kind = kind;
+  c->root = root;
+  c->processes = processes;
   c->device = device;
   c->bytes = bytes;
-  c->slot = AlignUp(static_cast<size_t>(bytes));
+  c->piece = pieces ? bytes / nranks : bytes;
+  c->slot = AlignUp(static_cast<size_t>(c->piece));
   c->off_flags = kAlign;
   c->off_inbox = AlignUp(c->off_flags + 4 * static_cast<size_t>(nranks));
-  c->size = c->off_inbox + 2 * static_cast<size_t>(nranks) * c->slot;
+  const size_t slots = Receives(kind, rank, root) ? static_cast<size_t>(InboxSlots(kind, nranks)) : 0;
+  c->size = c->off_inbox + 2 * slots * c->slot;
   DeviceGuard dg(device);
   cudaError_t e = cudaMalloc(&c->mine, c->size);
   if (e != cudaSuccess) return CudaError("cudaMalloc of the IPC region", e);
@@ -294,6 +465,8 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   std::memset(const_cast<ErrRec*>(c->err), 0, sizeof(ErrRec));
   c->peers.assign(nranks, nullptr);
   c->opened_ipc.assign(nranks, 0);
+  c->pids.assign(nranks, 0);
+  c->pids[rank] = getpid();
   c->peers[rank] = c->mine;
   payload->resize(sizeof(h) + 16);
   const uint64_t pid = static_cast<uint64_t>(getpid()), addr = reinterpret_cast<uintptr_t>(c->mine);
@@ -317,6 +490,7 @@ std::string Open(int64_t comm_id, int32_t group, int32_t rank, int32_t peer, con
   std::memcpy(&h, payload.data(), sizeof(h));
   std::memcpy(&pid, payload.data() + sizeof(h), 8);
   std::memcpy(&addr, payload.data() + sizeof(h) + 8, 8);
+  c.pids[peer] = static_cast<int64_t>(pid);
   DeviceGuard dg(c.device);
   if (pid == static_cast<uint64_t>(getpid())) {
     c.peers[peer] = reinterpret_cast<char*>(addr);  // this process's own memory (peer access as XLA set it)
@@ -342,6 +516,16 @@ bool Registered(int64_t comm_id, int device) {
   std::lock_guard<std::mutex> g(g_mu);
   auto it = g_by_device.find({comm_id, device});
   return it != g_by_device.end() && it->second->d_peers != nullptr;
+}
+
+std::string CheckAll() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::string all;
+  for (auto& [key, c] : g_comms) {
+    const std::string e = TimeoutMessage(*c);
+    if (!e.empty()) all += (all.empty() ? "" : "\n") + e;
+  }
+  return all;
 }
 
 void ReleaseAll() {

@@ -377,14 +377,21 @@ NB_MODULE(_blink_cuda, m) {
   // Jobs of several processes: CUDA IPC regions, set up at trace time (jax_blink/distributed.py).
   m.def(
       "ipc_create",
-      [](int64_t comm_id, int32_t group, int32_t rank, int32_t nranks, int64_t nbytes, int device) {
+      [](int64_t comm_id, int32_t group, int32_t rank, int32_t nranks, int64_t nbytes, int device,
+         int32_t collective, int32_t root, std::vector<int32_t> processes) {
         std::vector<uint8_t> payload;
-        std::string err = jax_blink::cuda_ipc::Create(comm_id, group, rank, nranks, nbytes, device, &payload);
+        std::string err = jax_blink::cuda_ipc::Create(comm_id, group, rank, nranks, nbytes, device,
+                                                      static_cast<jax_blink::cuda_ipc::Collective>(collective),
+                                                      root, processes, &payload);
         if (!err.empty()) throw std::runtime_error("jax_blink: " + err);
         return nb::bytes(reinterpret_cast<const char*>(payload.data()), payload.size());
       },
       nb::arg("comm_id"), nb::arg("group"), nb::arg("rank"), nb::arg("nranks"), nb::arg("nbytes"),
-      nb::arg("device"), "Register a rank's IPC region; returns the payload its peers open.");
+      nb::arg("device"), nb::arg("collective") = 0, nb::arg("root") = 0,
+      nb::arg("processes") = std::vector<int32_t>(),
+      "Register a rank's IPC region for `collective` (0 all-reduce, 1 all-gather, 2 reduce-scatter, "
+      "3 broadcast, 4 reduce) rooted at `root`; `processes`: every rank's process index, for error "
+      "messages. Returns the payload its peers open.");
   m.def(
       "ipc_open",
       [](int64_t comm_id, int32_t group, int32_t rank, int32_t peer, nb::bytes payload) {
@@ -411,7 +418,7 @@ NB_MODULE(_blink_cuda, m) {
         d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
         d["jax_blink_noop_lite"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpLiteCuda));
         d["jax_blink_noop_min"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpMinCuda));
-        // All-reduce across processes through CUDA IPC (cuda_ipc.h).
+        // Every collective across processes through CUDA IPC (cuda_ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
       },
@@ -437,10 +444,12 @@ NB_MODULE(_blink_cuda, m) {
       "check",
       []() {
         std::string err = jbc::CheckAll();
+        const std::string ipc = jax_blink::cuda_ipc::CheckAll();  // collectives across processes
+        if (!ipc.empty()) err += (err.empty() ? "" : "\n") + ipc;
         if (!err.empty()) throw std::runtime_error(err);
       },
       "Raise RuntimeError if a kernel on any GPU recorded a failure (time-out, mismatch); failures are "
-      "sticky until reset().");
+      "sticky until reset() (those of collectives across processes, CUDA IPC, for good).");
 
   m.def(
       "reset",

@@ -1,4 +1,4 @@
-"""Two processes sharing one GPU run jax_blink.all_reduce through CUDA IPC (needs a CUDA GPU).
+"""Two processes run every jax_blink collective through CUDA IPC (needs a CUDA GPU).
 
     python tests/gpu_ipc_selftest.py [--shared] [--out benchmarks/results/ipc-selftest-<machine>.json]
 
@@ -8,11 +8,14 @@ With one GPU (or ``--shared``) both share GPU 0
 (``local_device_ids=[0]``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): jax lists 2 GPUs and a
 ``shard_map`` over them runs, each process driving its own device. XLA's psum cannot run there
 (NCCL refuses a duplicate GPU), so results are checked against numpy (float64 for the float sums),
-and the two processes compare their results bit for bit through the job's key-value store. Every
-dtype, sum/max/min, sizes from 7 elements to 4 MiB, with JAX_BLINK_FALLBACK=raise and
-JAX_BLINK_DISPATCH=blink (no quiet fall-back); the optimized program must hold the IPC custom call.
-Exits 0 when both processes pass. Under compute-sanitizer (IPC_SELFTEST_QUICK=1: float32 and
-bfloat16, 7 and 1031 elements):
+and the two processes compare their results bit for bit through the job's key-value store where
+they must agree (all_reduce, all_gather, broadcast). Every collective (all_reduce, all_gather,
+reduce_scatter, broadcast, reduce; sum/max/min where it reduces; tiled and untiled layouts, both
+roots for float32), every dtype, pieces of 7, 1031 and 2^20 elements (the last for float32 and
+bfloat16), with JAX_BLINK_FALLBACK=raise and JAX_BLINK_DISPATCH=blink (no quiet fall-back); the
+optimized program must hold the IPC custom call. Exits 0 when both processes pass. Under
+compute-sanitizer (IPC_SELFTEST_QUICK=1: float32 and bfloat16, 7 and 1031 elements, every
+collective once):
 ``IPC_SELFTEST_QUICK=1 compute-sanitizer --tool memcheck --target-processes all python tests/gpu_ipc_selftest.py``.
 """
 from __future__ import annotations
@@ -23,6 +26,68 @@ import socket
 import subprocess
 import sys
 import time
+
+
+#: Every collective the self-test checks: (name, variant), the variant its keyword arguments.
+#: "extra": checked for float32 only (layouts and roots; the dtype paths are the same).
+CASES = (("all_reduce", {"op": "sum"}), ("all_reduce", {"op": "max"}), ("all_reduce", {"op": "min"}),
+         ("all_gather", {"tiled": False}), ("reduce_scatter", {"tiled": True}),
+         ("broadcast", {"root": 1}), ("reduce", {"root": 1, "op": "sum"}),
+         ("reduce", {"root": 1, "op": "max"}), ("reduce", {"root": 1, "op": "min"}))
+EXTRA_CASES = (("all_gather", {"tiled": True}), ("reduce_scatter", {"tiled": False}),
+               ("broadcast", {"root": 0}), ("reduce", {"root": 0, "op": "sum"}))
+#: The cases under compute-sanitizer (IPC_SELFTEST_QUICK=1): every collective once, every op.
+QUICK_CASES = CASES[:7]
+
+
+def _operand_shape(what: str, kw: dict, size: int) -> tuple[int, ...]:
+    """A rank's operand for ``size`` elements per piece: reduce_scatter's holds one piece per rank."""
+    if what == "reduce_scatter":
+        return (2 * size,) if kw["tiled"] else (2, size)
+    return (size,)
+
+
+def _ours(what: str, kw: dict):
+    import jax_blink
+
+    fn = getattr(jax_blink, what)
+    return lambda v: fn(v, "x", **kw)
+
+
+def _numpy_reference(what: str, kw: dict, data, pid: int):
+    """What rank ``pid`` must get, from every rank's operand ``data[rank]``: float64 for float
+    sums (compared with a tolerance), the exact values elsewhere."""
+    import numpy as np
+
+    integer = np.issubdtype(data.dtype, np.integer)
+    op = kw.get("op", "sum")
+    if op == "sum":
+        total = data.sum(0) if integer else data.astype(np.float64).sum(0)
+    else:
+        total = data.max(0) if op == "max" else data.min(0)
+    if what == "all_reduce":
+        return total
+    if what == "all_gather":
+        return data.reshape((-1,) + data.shape[2:]) if kw["tiled"] else data
+    if what == "reduce_scatter":
+        return total.reshape(2, -1)[pid] if kw["tiled"] else total[pid]
+    if what == "broadcast":
+        return data[kw["root"]]
+    return total if pid == kw["root"] else data[pid]  # reduce
+
+
+def _same_on_every_rank(what: str, kw: dict) -> bool:
+    """Whether both ranks must hold the same result (compared bit for bit through the store)."""
+    return what in ("all_reduce", "all_gather", "broadcast")
+
+
+def _close(got, want, dname: str, exact: bool) -> bool:
+    import numpy as np
+
+    if exact:
+        return np.array_equal(got, want.astype(got.dtype))
+    tol = {"bfloat16": 2e-2, "float16": 2e-3}.get(dname, 1e-6)
+    return np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
 
 
 def child(pid: int, port: int, distinct: bool) -> dict:
@@ -38,14 +103,13 @@ def child(pid: int, port: int, distinct: bool) -> dict:
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                                local_device_ids=[pid if distinct else 0])
-    import jax_blink
-    from jax_blink import _backends, distributed
+    from jax_blink import _backends, distributed, options
 
     client = distributed._client()
     assert jax.device_count() == 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rng = np.random.default_rng(7)
-    failures, checks = [], 0
+    failures, checks, seen_ipc = [], 0, set()
     quick = os.environ.get("IPC_SELFTEST_QUICK") == "1"  # under compute-sanitizer: fewer cases
     dtypes = (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
               ("float64", np.float64), ("int32", np.int32), ("int64", np.int64))
@@ -53,42 +117,41 @@ def child(pid: int, port: int, distinct: bool) -> dict:
         for size in (7, 1031) if quick else (7, 1031, 1 << 20):
             if size == 1 << 20 and dname not in ("float32", "bfloat16"):
                 continue
-            for op in ("sum", "max", "min"):
+            cases = QUICK_CASES if quick else CASES + (EXTRA_CASES if dname == "float32" else ())
+            for what, kw in cases:
+                shape = _operand_shape(what, kw, size)
                 if dt in (np.int32, np.int64):
-                    data = rng.integers(-1000, 1000, size=(2, size)).astype(dt)
+                    data = rng.integers(-1000, 1000, size=(2,) + shape).astype(dt)
                 else:
-                    data = rng.standard_normal((2, size)).astype(dt)
-                f = jax.jit(jax.shard_map(lambda v, op=op: jax_blink.all_reduce(v, "x", op=op), mesh=mesh,
-                                          in_specs=P("x"), out_specs=P("x")))
-                x = jax.make_array_from_callback((2 * size,), NamedSharding(mesh, P("x")),
-                                                 lambda idx: data.reshape(-1)[idx])
-                name = f"{dname}/{size}/{op}"
-                if checks == 0:
-                    hlo = f.lower(x).compile().as_text()
-                    if _backends.TARGET_IPC not in hlo:
-                        failures.append("no jax_blink_collective_ipc in the optimized program")
+                    data = rng.standard_normal((2,) + shape).astype(dt)
+                name = f"{dname}/{size}/{what}/" + ",".join(f"{k}={v}" for k, v in kw.items())
+                spec = P("x")
+                x = jax.make_array_from_callback((2 * shape[0],) + shape[1:], NamedSharding(mesh, spec),
+                                                 lambda idx: data.reshape((-1,) + shape[1:])[idx])
+                f = jax.jit(jax.shard_map(_ours(what, kw), mesh=mesh, in_specs=spec, out_specs=spec))
+                if what not in seen_ipc:  # the optimized program must hold the IPC custom call
+                    seen_ipc.add(what)
+                    if _backends.TARGET_IPC not in f.lower(x).compile().as_text():
+                        failures.append(f"{what}: no {_backends.TARGET_IPC} in the optimized program")
                 got = np.asarray(f(x).addressable_shards[0].data)
                 if distinct:  # two GPUs: XLA's own collective (NCCL) runs too, and must agree
-                    lax_op = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[op]
-                    g = jax.jit(jax.shard_map(lambda v, lax_op=lax_op: lax_op(v, "x"), mesh=mesh,
-                                              in_specs=P("x"), out_specs=P("x")))
+                    with options.override(dispatch="lax"):  # the same call, as lax's expression
+                        g = jax.jit(jax.shard_map(_ours(what, kw), mesh=mesh, in_specs=spec,
+                                                  out_specs=spec)).lower(x).compile()
                     want = np.asarray(g(x).addressable_shards[0].data)
                     tol = {"bfloat16": 1e-2, "float16": 1e-3}.get(dname, 1e-6)
-                    if not np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol):
-                        failures.append(f"{dname}/{size}/{op}: differs from lax")
-                ref = {"sum": data.astype(np.float64).sum(0), "max": data.max(0), "min": data.min(0)}[op]
-                if dt in (np.int32, np.int64):
-                    ref = {"sum": data.sum(0), "max": data.max(0), "min": data.min(0)}[op]
-                    ok = np.array_equal(got, ref)
-                elif op == "sum":
-                    tol = {"bfloat16": 2e-2, "float16": 2e-3}.get(dname, 1e-6)
-                    ok = np.allclose(got.astype(np.float64), ref, rtol=tol, atol=tol)
-                else:
-                    ok = np.array_equal(got, ref.astype(dt))
-                # the other process's bits, through the store
-                client.key_value_set_bytes(f"selftest/{name}/{pid}", got.tobytes())
-                other = client.blocking_key_value_get_bytes(f"selftest/{name}/{1 - pid}", 60_000)
-                same = other == got.tobytes()
+                    if got.shape != want.shape or not np.allclose(got.astype(np.float64), want.astype(np.float64),
+                                                                  rtol=tol, atol=tol):
+                        failures.append(f"{name}: differs from lax")
+                want = _numpy_reference(what, kw, data, pid)
+                exact = dt in (np.int32, np.int64) or kw.get("op", "sum") != "sum" or what in (
+                    "all_gather", "broadcast") or (what == "reduce" and pid != kw["root"])
+                ok = got.shape == want.shape and _close(got, want, dname, exact)
+                same = True
+                if _same_on_every_rank(what, kw):  # the other process's bits, through the store
+                    client.key_value_set_bytes(f"selftest/{name}/{pid}", got.tobytes())
+                    other = client.blocking_key_value_get_bytes(f"selftest/{name}/{1 - pid}", 60_000)
+                    same = other == got.tobytes()
                 checks += 1
                 if not (ok and same):
                     failures.append(f"{name}: {'wrong values' if not ok else ''} {'ranks differ' if not same else ''}")

@@ -212,10 +212,14 @@ def _across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
 def _three_phases(what: str, axes: tuple[str, ...]):
     """For a collective whose ranks span hosts: ``(layout, False)`` where its three phases
     (jax_blink.hierarchy) can run, ``(None, True)`` after the fall-back warning (or an error with
-    fallback=raise) where they cannot; ``(None, False)`` where its ranks do not span hosts."""
+    fallback=raise) where they cannot, or without a word where every host holds one rank (all the
+    traffic is between hosts, XLA's part: the executor has nothing to do); ``(None, False)`` where
+    its ranks do not span hosts."""
     hosts = _hosts_of(axes)
     if hosts is None:
         return None, False
+    if hosts.local == 1:
+        return None, True
     problem = _hierarchy.problem(hosts, _platform())
     if problem is None:
         return hosts, False

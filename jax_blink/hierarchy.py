@@ -18,7 +18,8 @@ Which ranks share a host comes from their devices' process indices and
 :func:`jax_blink.distributed.host_of_process` (host names, or ``JAX_BLINK_PROCESSES_PER_HOST``).
 Broadcast and reduce have no three-phase form here: across hosts they go to ``lax`` (with the
 fall-back warning, or an error with ``JAX_BLINK_FALLBACK=raise``), as do the cases
-:func:`problem` names.
+:func:`problem` names; hosts of one rank each leave the executor nothing to do (``lax``, no
+warning).
 """
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ def all_reduce(v, axes: tuple[str, ...], op: str, lay: HostLayout, call, group_i
         flat = jnp.concatenate([flat, jnp.zeros((pad,), dtype)])
     sub = _sub_group(lay, axes, n, group_index)
     # 1. reduce-scatter inside the host: local rank k ends with segment k reduced.
-    reduced = call(flat, axes, "reducescatter", op=op, sub=sub) if L > 1 else flat
+    reduced = call(flat, axes, "reducescatter", op=op, sub=sub)
     piece = lax.dynamic_slice_in_dim(reduced.reshape(L, -1), sub.rank, 1, axis=0)[0]
     # 2. all-reduce of each piece among the hosts (XLA's collective).
     host = _host_of_rank(lay, axes, n, group_index)
@@ -194,7 +195,7 @@ def all_reduce(v, axes: tuple[str, ...], op: str, lay: HostLayout, call, group_i
     # 3. all-gather inside the host.
     buf = jnp.zeros((L, piece.size), dtype)
     buf = lax.dynamic_update_slice(buf, piece.reshape(1, -1), (sub.rank, 0)).reshape(-1)
-    out = call(buf, axes, "allgather", sub=sub, result_type=replicated_type(buf)) if L > 1 else buf
+    out = call(buf, axes, "allgather", sub=sub, result_type=replicated_type(buf))
     return out[: out.size - pad].reshape(shape)
 
 
@@ -208,7 +209,7 @@ def reduce_scatter(blocks, axes: tuple[str, ...], lay: HostLayout, call, group_i
     # of every host in host order: local rank l ends with the host's sums of those H rows.
     by_local = np.array([lay.rank_of[h][li] for li in range(L) for h in range(H)])
     flat = blocks[by_local].reshape(-1)
-    reduced = call(flat, axes, "reducescatter", op="sum", sub=sub, in_place=True) if L > 1 else flat
+    reduced = call(flat, axes, "reducescatter", op="sum", sub=sub, in_place=True)
     mine = lax.dynamic_slice_in_dim(reduced.reshape(L, H, m), sub.rank, 1, axis=0)[0]  # [H, m]
     # 2. reduce-scatter among the hosts: host h keeps row h, its own rank's (XLA's collective).
     if lay.host_axis is not None:  # rank_of[h][l] = h * L + l: host h is index h of the host axis
@@ -236,7 +237,7 @@ def all_gather(row, axes: tuple[str, ...], lay: HostLayout, call, group_index, r
     # 2. inside the host: local rank l's segment holds its H rows (the executor reads only a rank's
     # own segment, so L copies serve, as in the one-host all_gather).
     buf = jnp.broadcast_to(rows.reshape(1, -1), (L, H * m)).reshape(-1)
-    out = call(buf, axes, "allgather", sub=sub, result_type=result_type, in_place=True) if L > 1 else buf
+    out = call(buf, axes, "allgather", sub=sub, result_type=result_type, in_place=True)
     # out[l, h] is rank rank_of[h][l]'s row: put the rows back in rank order.
     position = np.empty(n, np.int64)
     for h in range(H):

@@ -149,3 +149,27 @@ def test_cost_model_against_its_formulas():
     assert simulate.model_times_us(8, B, S, topo)["blink_3phase"] > t["blink_3phase"]
     assert simulate.model_times_us(H, 100.0, S, topo)["blink_3phase"] < t["blink_3phase"]
     assert math.isfinite(simulate.model_times_us(1, B, S, topo)["flat_ring"])
+
+
+def test_which_collectives_run_in_phases(two_processes):
+    """The lowering's dispatch across hosts: phases where they can run; lax without a word where
+    every host holds one rank (nothing for the executor); else lax with the fall-back's message."""
+    from jax_blink import collectives, config
+
+    two_processes.setattr(distributed, "has_client", lambda: True)
+    two_processes.setattr(collectives, "_warned", set())
+    two_processes.setattr(config, "fallback", "raise")
+    distributed.set_processes_per_host(1)
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 0, 1, 1]))
+    lay, to_lax = collectives._three_phases("reduce_scatter", ("x",))
+    assert (lay.hosts, lay.local, to_lax) == (2, 2, False)
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1]))
+    assert collectives._three_phases("all_gather", ("x",)) == (None, True)  # no error with raise
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 2, 3]))
+    distributed.set_processes_per_host(2)
+    two_processes.setattr(collectives, "_platform", lambda: "gpu")
+    with pytest.raises(RuntimeError, match="all_gather across hosts: .*one process per GPU.*falls back"):
+        collectives._three_phases("all_gather", ("x",))
+    two_processes.setattr(config, "fallback", "warn")
+    with pytest.warns(RuntimeWarning, match="reduce_scatter across hosts: .*one process per GPU"):
+        assert collectives._three_phases("reduce_scatter", ("x",)) == (None, True)

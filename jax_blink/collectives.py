@@ -204,8 +204,27 @@ def _across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
     without a three-phase form has ranks on several hosts: they cannot meet in shared memory."""
     if jax.process_count() == 1 or _hosts_of(axes) is None:
         return False
-    _fall_back(f"{what} has no three-phase form for ranks on several hosts (all_reduce has)", what)
+    _fall_back(f"{what} has no three-phase form for ranks on several hosts "
+               "(all_reduce, reduce_scatter and all_gather have)", what)
     return True
+
+
+def _three_phases(what: str, axes: tuple[str, ...]):
+    """For a collective whose ranks span hosts: ``(layout, False)`` where its three phases
+    (jax_blink.hierarchy) can run, ``(None, True)`` after the fall-back warning (or an error with
+    fallback=raise) where they cannot, or without a word where every host holds one rank (all the
+    traffic is between hosts, XLA's part: the executor has nothing to do); ``(None, False)`` where
+    its ranks do not span hosts."""
+    hosts = _hosts_of(axes)
+    if hosts is None:
+        return None, False
+    if hosts.local == 1:
+        return None, True
+    problem = _hierarchy.problem(hosts, _platform())
+    if problem is None:
+        return hosts, False
+    _fall_back(f"{what} across hosts: {problem}", what)
+    return None, True
 
 
 def _fall_back(problem: str, what: str) -> None:
@@ -483,14 +502,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
         return _collective_call(flat, axes, "allreduce", op=op, topology=topology, method=method,
                                 result_type=_lax_type(reference, flat)).reshape(v.shape)
 
-    hosts = _hosts_of(axes)
-    if hosts is not None and _platform() == "gpu" and not _distributed.one_process_per_group(
-            np.array(hosts.sub_process, np.int32), hosts.local):
-        # The inside phases (a reduce-scatter and an all-gather among a host's GPUs) with one
-        # process per GPU would run through CUDA IPC, which carries every collective, but this
-        # layout has never run on GPUs of several hosts: lax, with the fall-back's warning.
-        return _run("all_reduce", x, n, None, reference, axes=axes,
-                    prefer_lax=_across_hosts_to_lax("all_reduce with one process per GPU", axes))
+    hosts, to_lax = _three_phases("all_reduce", axes)
     if hosts is not None:  # ranks on several hosts: the three phases (jax_blink.hierarchy)
         def f(v):  # noqa: F811
             return _hierarchy.all_reduce(
@@ -499,7 +511,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
                 _group_index(axes), lambda b: _lax_type(lambda u: lax.psum(u, axes), b))
 
     return _run("all_reduce", x, n, f, reference, axes=axes, linear=op == "sum",
-                prefer_lax=_use_lax("allreduce", n, x))
+                prefer_lax=to_lax or _use_lax("allreduce", n, x))
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -566,15 +578,22 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         return lax.all_gather(v, axes, axis=axis, tiled=tiled)
 
 
+    hosts, to_lax = _three_phases("all_gather", axes)
+
     def f(v):
-        # Rank k's segment k must hold its x; the executor reads no other segment of a rank's
-        # operand, so n copies of x serve (one fused write; zeros + dynamic_update_slice made XLA
-        # keep a copy of the zeros per chained call: 40 MiB of temporaries at 2 MiB per rank).
-        buf = jnp.broadcast_to(v.reshape(1, -1), (n, v.size)).reshape(-1)
         # Declared as lax.all_gather's result (varying along the axis, as lax's is).
         gathered = _lax_type(lambda u: lax.all_gather(u, axes, tiled=True), v.reshape(-1))
-        out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
-                               result_type=gathered, in_place=True)
+        if hosts is not None:  # ranks on several hosts: among the hosts, then inside (hierarchy)
+            out = _hierarchy.all_gather(v.reshape(-1), axes, hosts,
+                                        functools.partial(_collective_call, topology=topology, method=method),
+                                        _group_index(axes), gathered)
+        else:
+            # Rank k's segment k must hold its x; the executor reads no other segment of a rank's
+            # operand, so n copies of x serve (one fused write; zeros + dynamic_update_slice made
+            # XLA keep a copy of the zeros per chained call: 40 MiB of temporaries at 2 MiB per rank).
+            buf = jnp.broadcast_to(v.reshape(1, -1), (n, v.size)).reshape(-1)
+            out = _collective_call(buf, axes, "allgather", topology=topology, method=method,
+                                   result_type=gathered, in_place=True)
         stacked = out.reshape((n,) + v.shape)
         if tiled:
             a = axis % v.ndim
@@ -583,7 +602,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
     return _run("all_gather", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=_across_hosts_to_lax("all_gather", axes) or _use_lax("allgather", n, x))
+                prefer_lax=to_lax or _use_lax("allgather", n, x))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -604,9 +623,18 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         return lax.psum_scatter(v, axes, scatter_dimension=d, tiled=tiled)
 
 
+    hosts, to_lax = _three_phases("reduce_scatter", axes)
+
     def f(v):
         blocks = jnp.moveaxis(v, d, 0)
         block_shape = (blocks.shape[0] // n,) + blocks.shape[1:]
+        if hosts is not None:  # ranks on several hosts: inside, then among the hosts (hierarchy)
+            mine = _hierarchy.reduce_scatter(
+                blocks.reshape(n, -1), axes, hosts,
+                functools.partial(_collective_call, topology=topology, method=method),
+                _group_index(axes)).reshape(block_shape)
+            mine = jnp.moveaxis(mine, 0, d)
+            return mine if tiled else jnp.squeeze(mine, d)
         flat = blocks.reshape(-1)
         # Declared varying along the axis, as lax.psum_scatter's result (n blocks: the call's
         # result holds every block, of which this rank keeps its own).
@@ -619,7 +647,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         return mine if tiled else jnp.squeeze(mine, d)
 
     return _run("reduce_scatter", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=_across_hosts_to_lax("reduce_scatter", axes) or _use_lax("reducescatter", n, x))
+                prefer_lax=to_lax or _use_lax("reducescatter", n, x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,7 +744,8 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
     devices when the topology is of their platform (CPU host devices: links of kind ``"host"``;
     GPUs: any other), else none: a GPU preset explained on a machine without GPUs is not judged by
     this machine's CPU measurements. ``hosts`` > 1: ``topology`` is the inside of one of that many
-    hosts, and an all-reduce runs in three phases (:mod:`jax_blink.hierarchy`)."""
+    hosts, and an all-reduce, reduce-scatter or all-gather runs in phases inside and among the hosts
+    (:mod:`jax_blink.hierarchy`)."""
     if collective not in _LAX_NAME:
         raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(_LAX_NAME)}")
     if hosts > 1:
@@ -779,11 +808,19 @@ def _explain_hosts(topology: Topology, nbytes: int, collective: str, *, hosts: i
     phases and their bytes, then the inside of a host as a one-host call explains it."""
     if not isinstance(hosts, int) or hosts < 1:
         raise ValueError(f"hosts must be a positive int, got {hosts!r}")
-    if collective != "allreduce":
+    if collective not in ("allreduce", "reducescatter", "allgather"):
         return (f"{collective} over {hosts} hosts: no three-phase form; lax runs it "
-                "(jax_blink's collectives across hosts are all_reduce only)")
+                "(jax_blink's collectives across hosts are all_reduce, reduce_scatter and all_gather)")
+    method = kw.get("method", "exact")
+    phases = _hierarchy.explain_phases(topology, hosts, nbytes, method=method, collective=collective)
+    if collective == "reducescatter":
+        return "\n".join([phases, f"inside each host, phase 1 is the reduce-scatter of {nbytes} bytes per rank:",
+                          explain(topology, nbytes, "reducescatter", **kw)])
+    if collective == "allgather":
+        return "\n".join([phases, f"inside each host, phase 2 is the all-gather of {hosts * nbytes} bytes per rank:",
+                          explain(topology, hosts * nbytes, "allgather", **kw)])
     piece = -(-nbytes // topology.n)
-    return "\n".join([_hierarchy.explain_phases(topology, hosts, nbytes, method=kw.get("method", "exact")),
+    return "\n".join([phases,
                       "inside each host, phases 1 and 3 are the reduce-scatter and all-gather of "
                       f"{nbytes} bytes per rank ({piece} bytes per piece):",
                       explain(topology, piece * topology.n, "reducescatter", **kw)])

@@ -5,8 +5,9 @@
 Scenarios:
   collectives  every collective, op, several dtypes and shapes over an axis spanning the processes,
                against lax, ranks bitwise identical, the custom call in the optimized HLO; then,
-               with MP_PER_HOST=k, every k processes a "host": the three-phase all_reduce over
-               that axis and over ("host", "local").
+               with MP_PER_HOST=k, every k processes a "host": the three-phase all_reduce,
+               reduce_scatter and all_gather over that axis, over ("host", "local") and over
+               one axis whose ranks alternate between the hosts.
   skip         one good call, then the last process skips the second call of the same collective.
   die          one good call, then the last process exits before a new collective.
 
@@ -67,6 +68,11 @@ def _gather(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+LEAN = {"all_reduce/sum/float32/(3, 5)", "all_reduce/max/float32/(3, 5)", "all_reduce/sum/int32/(7,)",
+        "all_gather/float32/(3, 5)", "all_gather_tiled/int32/(7,)", "reduce_scatter/float32",
+        "reduce_scatter_tiled/int32"}
+
+
 def collectives(pid: int, nproc: int, local: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -82,6 +88,7 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
     n = jax.device_count()
     checks = []
     failures = []
+    walls = {}
 
     def check(name, ok, detail=""):
         checks.append(name)
@@ -103,17 +110,22 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
     def per_rank(fn):
         return lambda v: fn(v[0])[None]
 
-    def run_axis(mesh, axis, spec, target=_backends.TARGET_MP, hosts=False):
+    def run_axis(mesh, axis, spec, target=_backends.TARGET_MP, hosts=False, label=None, lean=False):
         """Every collective over ``axis`` (a name or a tuple) of ``mesh``: blink and lax side by
-        side (``hosts``: the ranks span hosts, only all_reduce has a three-phase form)."""
+        side (``hosts``: the ranks span hosts: all_reduce, reduce_scatter, all_gather); checks
+        are named by ``label`` (default: the axis); ``lean``: a few cases of each collective
+        (each case compiles its phases: the job's time goes there)."""
+        label = label or str(axis)
+        start = time.perf_counter()
         cases = []  # (name, blink fn, lax fn, key, replicated)
-        # Across hosts fewer cases (each compiles three phases): one shape per dtype.
+        # Across hosts fewer cases (each compiles three phases): one shape per dtype for all_reduce
+        # and all_gather, (1031,) for reduce_scatter.
         few = {("float32", (3, 5)), ("bfloat16", (1031,)), ("int32", (7,)), ("float64", (3, 5))}
         for (dname, shape), _ in data.items():
-            if hosts and (dname, shape) not in few:
+            if hosts and (dname, shape) not in few and (shape != (1031,) or dname not in ("float32", "int32")):
                 continue
             for op, lfn in (("sum", lax.psum), ("max", lax.pmax), ("min", lax.pmin)):
-                if op != "sum" and shape != (3, 5):
+                if (op != "sum" and shape != (3, 5)) or (hosts and (dname, shape) not in few):
                     continue
                 cases.append((f"all_reduce/{op}/{dname}/{shape}",
                               lambda v, op=op: jax_blink.all_reduce(v, axis, op=op),
@@ -135,6 +147,29 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
                     return jnp.tile(v[:5], (n, 1))  # dimension 0 of size n
                 cases.append((f"reduce_scatter/{dname}", lambda v: jax_blink.reduce_scatter(rs_in(v), axis),
                               lambda v: lax.psum_scatter(rs_in(v), axis), (dname, shape), False))
+            if hosts:  # across hosts: every block distinct, so that a wrong piece order shows
+                if (dname, shape) in few:
+                    cases.append((f"all_gather/{dname}/{shape}", lambda v: jax_blink.all_gather(v, axis),
+                                  lambda v: lax.all_gather(v, axis), (dname, shape), True))
+                if (dname, shape) in (("float32", (3, 5)), ("int32", (7,))):
+                    a = len(shape) - 1
+                    cases.append((f"all_gather_tiled/{dname}/{shape}",
+                                  lambda v, a=a: jax_blink.all_gather(v, axis, axis=a, tiled=True),
+                                  lambda v, a=a: lax.all_gather(v, axis, axis=a, tiled=True), (dname, shape), True))
+                if shape == (1031,) and dname in ("float32", "int32", "bfloat16"):
+                    def rs_blocks(v):  # dimension 0 of size n, n different blocks
+                        return v[:5 * n].reshape(n, 5)
+
+                    def rs_tiled(v):  # dimension 1 of size 3n: blocks of 3 columns
+                        return v[:6 * n].reshape(2, 3 * n)
+                    cases.append((f"reduce_scatter/{dname}", lambda v: jax_blink.reduce_scatter(rs_blocks(v), axis),
+                                  lambda v: lax.psum_scatter(rs_blocks(v), axis), (dname, shape), False))
+                    cases.append((f"reduce_scatter_tiled/{dname}",
+                                  lambda v: jax_blink.reduce_scatter(rs_tiled(v), axis, scatter_dimension=1, tiled=True),
+                                  lambda v: lax.psum_scatter(rs_tiled(v), axis, scatter_dimension=1, tiled=True),
+                                  (dname, shape), False))
+        if lean:
+            cases = [c for c in cases if c[0] in LEAN]
         keys = sorted({c[3] for c in cases}, key=str)
 
         def program(which):
@@ -149,10 +184,11 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
         blink, reference = program(1), program(2)
         args = [_global(mesh, spec, lambda i, k=k: data[k][i:i + 1]) for k in keys]
         hlo = blink.lower(*args).compile().as_text()
-        check(f"{axis}: custom call in optimized HLO", target in hlo, f"{target} not found in the compiled program")
-        if hosts:  # the middle phase is XLA's own collective
-            check(f"{axis}: XLA collective between hosts in the HLO",
-                  "all-reduce" in hlo or "collective-permute" in hlo, "no XLA collective in the program")
+        check(f"{label}: custom call in optimized HLO", target in hlo, f"{target} not found in the compiled program")
+        if hosts:  # the phases between hosts are XLA's own collectives
+            between = ("all-reduce", "reduce-scatter", "all-gather") if isinstance(axis, tuple) else ("collective-permute",)
+            check(f"{label}: XLA collectives between hosts in the HLO", all(op in hlo for op in between),
+                  f"not all of {between} in the program")
         t0 = time.perf_counter()
         got_all = jax.block_until_ready(blink(*args))
         elapsed = time.perf_counter() - t0
@@ -160,7 +196,7 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
         want_all = [_gather(o) for o in reference(*args)]
         for i, (name, _, _, key, replicated) in enumerate(cases):
             got, want = got_all[i], want_all[i]
-            name = f"{axis}: {name}"
+            name = f"{label}: {name}"
             if got.shape != want.shape or got.dtype != want.dtype:
                 check(name, False, f"shape/dtype {got.shape} {got.dtype} vs lax {want.shape} {want.dtype}")
                 continue
@@ -175,6 +211,7 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
             if replicated:
                 same = all(np.array_equal(got[r].view(np.uint8), got[0].view(np.uint8)) for r in range(n))
                 check(name + " ranks bitwise identical", same, "ranks disagree")
+        walls[label] = round(time.perf_counter() - start, 2)  # compiling both programs included
         return elapsed
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
@@ -184,20 +221,30 @@ def collectives(pid: int, nproc: int, local: int) -> dict:
         jax_blink.distributed.set_processes_per_host(per_host)
         hosts = nproc // per_host
         target = _backends.TARGET_MP if per_host > 1 else _backends.TARGET  # one process per host: in-process
-        times["x over hosts"] = run_axis(mesh, "x", P("x"), target, hosts=True)
+        # One axis in jax.devices() order (host-major): a few cases; the interleaved one below runs
+        # them all on the same path (ppermute rounds between the hosts).
+        times["x over hosts"] = run_axis(mesh, "x", P("x"), target, hosts=True, label="x over hosts", lean=True)
         mesh2 = Mesh(np.array(jax.devices()).reshape(hosts, -1), ("host", "local"))
         times["host,local"] = run_axis(mesh2, ("host", "local"), P(("host", "local")), target, hosts=True)
+        # One axis whose ranks alternate between the hosts (rank order is not host-major): the
+        # pieces' order must still be lax's. The concrete mesh in context tells jax_blink the order.
+        by_host = {}
+        for d in jax.devices():
+            by_host.setdefault(d.process_index // per_host, []).append(d)
+        interleaved = Mesh(np.array([d for ds in zip(*by_host.values()) for d in ds]), ("x",))
+        with jax.set_mesh(interleaved):
+            times["x interleaved"] = run_axis(interleaved, "x", P("x"), target, hosts=True, label="x interleaved")
         try:
-            jax.jit(jax.shard_map(lambda v: jax_blink.all_gather(v, "x"), mesh=mesh, in_specs=P("x"),
+            jax.jit(jax.shard_map(lambda v: jax_blink.broadcast(v, "x"), mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x"), check_vma=False)).lower(
                 _global(mesh, P("x"), lambda i: np.ones((1, 3), np.float32)))
-            check("all_gather across hosts raises with fallback=raise", False, "it lowered")
+            check("broadcast across hosts raises with fallback=raise", False, "it lowered")
         except RuntimeError as e:
-            check("all_gather across hosts raises with fallback=raise", "three-phase" in str(e), str(e))
+            check("broadcast across hosts raises with fallback=raise", "no three-phase form" in str(e), str(e))
     mod = _backends.module("cpu")
     check("no segment left linked after set-up", list(mod.shm_linked()) == [], str(mod.shm_linked()))
     return {"ok": not failures, "process": pid, "checks": len(checks), "failures": failures[:20],
-            "seconds": times}
+            "seconds": times, "wall_seconds": walls}
 
 
 def _fault(pid: int, nproc: int, local: int, mode: str) -> dict:

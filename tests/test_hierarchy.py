@@ -94,7 +94,42 @@ def test_explain_shows_the_phases_and_their_bytes():
     assert f"{2 * (hosts - 1) / hosts * piece:.0f} bytes sent per rank over the network" in text
     assert f"{nbytes * 7 / 8:.0f} bytes sent per rank" in text
     assert "segment k goes through the reduce trees rooted at rank k" in text  # the inside
-    assert "no three-phase form" in explain(topo, nbytes, "allgather", hosts=hosts)
+    assert "no three-phase form" in explain(topo, nbytes, "broadcast", hosts=hosts)
+
+
+def test_explain_shows_the_phases_of_reduce_scatter_and_all_gather():
+    topo = Topology.preset("dgx1v")
+    nbytes, hosts = 1 << 20, 4
+    rs = explain(topo, nbytes, "reducescatter", hosts=hosts)
+    assert f"two phases over {hosts} hosts x 8 ranks ({nbytes} bytes per rank in, {nbytes // 32} out)" in rs
+    assert f"8 pieces of {nbytes // 8} bytes ({hosts} blocks each" in rs
+    assert f"{nbytes * 7 / 8:.0f} bytes sent per rank" in rs
+    assert f"{(hosts - 1) / hosts * nbytes / 8:.0f} bytes sent per rank over the network" in rs
+    assert "segment k goes through the reduce trees rooted at rank k" in rs  # the inside
+    ag = explain(topo, nbytes, "allgather", hosts=hosts)
+    assert f"{(hosts - 1) * nbytes} bytes sent per rank over the network" in ag
+    assert f"8 segments of {hosts * nbytes} bytes, {7 * hosts * nbytes} bytes sent per rank" in ag
+    assert f"allgather of {hosts * nbytes} bytes per rank over 8 ranks" in ag  # the inside
+    with pytest.raises(ValueError, match="no three-phase form"):
+        hierarchy.explain_phases(topo, hosts, nbytes, collective="broadcast")
+
+
+def test_problem_names_what_cannot_run_in_phases(two_processes):
+    distributed.set_processes_per_host(1)
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 0, 1, 1], groups=2))
+    lay = hierarchy.layout(("x",))
+    assert hierarchy.problem(lay, "cpu") is None and hierarchy.problem(lay, "gpu") is None
+    # one process per device, two processes per host: on GPUs the inside phases cannot run
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 2, 3]))
+    distributed.set_processes_per_host(2)
+    lay = hierarchy.layout(("x",))
+    assert hierarchy.problem(lay, "cpu") is None
+    assert "one process per GPU" in hierarchy.problem(lay, "gpu")
+    # the second group's ranks alternate between the hosts, the first group's do not
+    devs = np.concatenate([_fake_devices([0, 0, 1, 1]), _fake_devices([0, 1, 0, 1])])
+    two_processes.setattr(distributed, "rank_devices", lambda axes: devs)
+    distributed.set_processes_per_host(1)
+    assert "differs between groups" in hierarchy.problem(hierarchy.layout(("x",)), "cpu")
 
 
 def test_cost_model_against_its_formulas():
@@ -114,3 +149,27 @@ def test_cost_model_against_its_formulas():
     assert simulate.model_times_us(8, B, S, topo)["blink_3phase"] > t["blink_3phase"]
     assert simulate.model_times_us(H, 100.0, S, topo)["blink_3phase"] < t["blink_3phase"]
     assert math.isfinite(simulate.model_times_us(1, B, S, topo)["flat_ring"])
+
+
+def test_which_collectives_run_in_phases(two_processes):
+    """The lowering's dispatch across hosts: phases where they can run; lax without a word where
+    every host holds one rank (nothing for the executor); else lax with the fall-back's message."""
+    from jax_blink import collectives, config
+
+    two_processes.setattr(distributed, "has_client", lambda: True)
+    two_processes.setattr(collectives, "_warned", set())
+    two_processes.setattr(config, "fallback", "raise")
+    distributed.set_processes_per_host(1)
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 0, 1, 1]))
+    lay, to_lax = collectives._three_phases("reduce_scatter", ("x",))
+    assert (lay.hosts, lay.local, to_lax) == (2, 2, False)
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1]))
+    assert collectives._three_phases("all_gather", ("x",)) == (None, True)  # no error with raise
+    two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 2, 3]))
+    distributed.set_processes_per_host(2)
+    two_processes.setattr(collectives, "_platform", lambda: "gpu")
+    with pytest.raises(RuntimeError, match="all_gather across hosts: .*one process per GPU.*falls back"):
+        collectives._three_phases("all_gather", ("x",))
+    two_processes.setattr(config, "fallback", "warn")
+    with pytest.warns(RuntimeWarning, match="reduce_scatter across hosts: .*one process per GPU"):
+        assert collectives._three_phases("reduce_scatter", ("x",)) == (None, True)

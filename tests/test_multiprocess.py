@@ -92,8 +92,9 @@ def no_leftover_segments():
 @pytest.mark.parametrize("nproc,local,per_host", [(2, 2, 1), (4, 1, 2)])
 def test_collectives_across_processes_and_hosts(nproc, local, per_host, no_leftover_segments):
     """Flat over one axis spanning the processes (shared memory), then with every ``per_host``
-    processes a "host": the three-phase all_reduce over that axis and over ("host", "local")
-    (per_host=1: the inside of a host is one process, the in-process executor; 2: shared memory)."""
+    processes a "host": all_reduce, reduce_scatter and all_gather in phases over that axis, over
+    ("host", "local") and over one axis whose ranks alternate between the hosts (per_host=1: the
+    inside of a host is one process, the in-process executor; 2: shared memory)."""
     results = run_job("collectives", nproc, local, env={"MP_PER_HOST": str(per_host)})
     for r in results:
         assert r.get("ok"), f"process {r.get('process')}: {r}"

@@ -102,15 +102,25 @@ def _device_kind() -> str | None:
     return devices[0].device_kind if devices else None
 
 
-def _use_lax(collective: str, n: int, x) -> bool:
+def _use_lax(collective: str, n: int, x, axes: tuple[str, ...] | None = None) -> bool:
     """Whether this call of ``collective`` on operand ``x`` goes to XLA's own collective
     (``config.dispatch``; with ``"auto"`` the measured table of :mod:`jax_blink.tuning`, which
-    counts the bytes of a rank's operand)."""
+    counts the bytes of a rank's operand, for the layout of the ranks over ``axes``: in one
+    process, or in several, where another executor runs)."""
     if config.dispatch == "lax":
         return True
     if config.dispatch == "blink":
         return False
-    return tuning.prefer_lax(_device_kind(), n, x.size * np.dtype(x.dtype).itemsize, collective=collective)
+    return tuning.prefer_lax(_device_kind(), n, x.size * np.dtype(x.dtype).itemsize, collective=collective,
+                             layout=_layout(axes, n))
+
+
+def _layout(axes: tuple[str, ...] | None, n: int) -> str:
+    """Where the ranks of a collective over ``axes`` live, as the dispatch table names it."""
+    if axes is None or jax.process_count() == 1:
+        return "one process"
+    procs = _distributed.lowering_attrs(axes, n)["rank_process"]
+    return "one process" if _distributed.one_process_per_group(procs, n) else "several processes"
 
 
 def _chunk_bytes(collective: str, n: int, nbytes: int, dtype, device_kind: str | None = None):
@@ -511,7 +521,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
                 _group_index(axes), lambda b: _lax_type(lambda u: lax.psum(u, axes), b))
 
     return _run("all_reduce", x, n, f, reference, axes=axes, linear=op == "sum",
-                prefer_lax=to_lax or _use_lax("allreduce", n, x))
+                prefer_lax=to_lax or _use_lax("allreduce", n, x, None if hosts is not None else axes))
 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
@@ -533,7 +543,7 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
                                 method=method, result_type=_lax_type(reference, flat)).reshape(v.shape)
 
     return _run("broadcast", x, n, f, reference, axes=axes,
-                prefer_lax=_across_hosts_to_lax("broadcast", axes) or _use_lax("broadcast", n, x))
+                prefer_lax=_across_hosts_to_lax("broadcast", axes) or _use_lax("broadcast", n, x, axes))
 
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
@@ -561,7 +571,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
         return jnp.where(is_root(), out, v)
 
     return _run("reduce", x, n, f, reference, axes=axes, linear=op == "sum",
-                prefer_lax=_across_hosts_to_lax("reduce", axes) or _use_lax("reduce", n, x))
+                prefer_lax=_across_hosts_to_lax("reduce", axes) or _use_lax("reduce", n, x, axes))
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -602,7 +612,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         return jnp.moveaxis(stacked, 0, axis % ndim_out)
 
     return _run("all_gather", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=to_lax or _use_lax("allgather", n, x))
+                prefer_lax=to_lax or _use_lax("allgather", n, x, None if hosts is not None else axes))
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -647,7 +657,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
         return mine if tiled else jnp.squeeze(mine, d)
 
     return _run("reduce_scatter", x, n, f, reference, axes=axes, elementwise=False,
-                prefer_lax=to_lax or _use_lax("reducescatter", n, x))
+                prefer_lax=to_lax or _use_lax("reducescatter", n, x, None if hosts is not None else axes))
 
 
 # ---------------------------------------------------------------------------------------------

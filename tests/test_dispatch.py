@@ -114,3 +114,27 @@ def test_each_collective_consults_the_table_for_itself(monkeypatch, collective):
     above = tuning.Crossover(kind, N, ((nbytes, 2 * nbytes),), ("test",), collective)
     monkeypatch.setattr(tuning, "CROSSOVERS", others + (above,))
     assert "jax_blink_collective" not in lowered()
+
+
+def test_the_layout_of_a_call_picks_its_entry(monkeypatch):
+    """In a job of several processes, a call whose ranks span processes reads the table's
+    "several processes" entry (another executor); one whose ranks share a process, the usual one."""
+    from jax_blink import collectives, distributed
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    spans = {"rank_process": np.array([0, 1], np.int32)}
+    local = {"rank_process": np.array([0, 0], np.int32)}
+    monkeypatch.setattr(distributed, "lowering_attrs", lambda axes, n, tables=None: spans)
+    assert collectives._layout(("x",), 2) == "several processes"
+    assert collectives._layout(None, 2) == "one process"  # the phases' inside calls: one process
+    monkeypatch.setattr(distributed, "lowering_attrs", lambda axes, n, tables=None: local)
+    assert collectives._layout(("x",), 2) == "one process"
+
+    kind = DEVICES[0].device_kind
+    table = (tuning.Crossover(kind, 2, ((0, None),), ("test",), layout="several processes"),)
+    monkeypatch.setattr(tuning, "CROSSOVERS", table)
+    monkeypatch.setattr(jax_blink.config, "dispatch", "auto")
+    x = np.ones(8, np.float32)
+    assert not collectives._use_lax("allreduce", 2, x, ("x",))  # ranks in one process
+    monkeypatch.setattr(distributed, "lowering_attrs", lambda axes, n, tables=None: spans)
+    assert collectives._use_lax("allreduce", 2, x, ("x",))

@@ -5,20 +5,25 @@
 //   [off_flags, +4 nranks)  flag[p]: the last call number rank p signalled into this region
 //   [off_inbox, ...)        inbox[parity][slot]: the pieces pushed to this rank in calls of that parity
 // Call g (numbered per rank, every rank runs the same calls): parity g & 1.
-// Push kernel: copies this rank's pieces into the inboxes of the ranks that need them (parity
+// Push kernel: copies this rank's pieces into the inboxes of the OTHER ranks that need them (parity
 // g & 1), then its last block (block counter, __threadfence_system) stores g into flag[rank] of
 // EVERY rank's region with st.release.sys, whether or not that rank got data.
 // Consume kernel: thread 0 of each block waits (ld.acquire.sys, deadline on %globaltimer) until
 // flag[p] >= g for EVERY p, then the block reduces or copies its inbox (parity g & 1) into the result.
-//   all_reduce:     rank r pushes x into slot r of every inbox; every rank reduces slots 0..n-1.
-//   all_gather:     rank r pushes piece r of x into slot r of every inbox; every rank copies slot p
-//                   to piece p of its result.
-//   reduce_scatter: rank r pushes piece j of x into slot r of rank j's inbox only; rank j reduces
-//                   slots 0..n-1 into piece j of its result.
+//   all_reduce:     rank r pushes x into slot r of every other inbox; every rank reduces slots
+//                   0..n-1, its own term from x.
+//   all_gather:     rank r pushes piece r of x into slot r of every other inbox; every rank copies
+//                   slot p to piece p of its result, its own piece from x.
+//   reduce_scatter: rank r pushes piece j of x into slot r of rank j's inbox (j != r); rank j
+//                   reduces slots 0..n-1 into piece j of its result, its own term from x.
 //   broadcast:      the root pushes x into slot 0 of every other rank's inbox; they copy it out,
 //                   the root copies its own x.
-//   reduce:         every rank pushes x into slot r of the root's inbox; the root reduces slots
-//                   0..n-1, the others copy their own x (collectives.reduce keeps it anyway).
+//   reduce:         every other rank pushes x into slot r of the root's inbox; the root reduces
+//                   slots 0..n-1, its own term from x, the others copy their own x
+//                   (collectives.reduce keeps it anyway).
+// No rank pushes to itself (its own term is read from its operand, one local copy less); slot r of
+// rank r's inbox stays unused, so that every receiving rank has the same layout and a pusher finds
+// a peer's slot from its own.
 // Slots hold one piece (all_gather, reduce_scatter: operand / n bytes) or the whole operand; a
 // rank that receives nothing (broadcast's root, reduce's non-roots) allocates no inbox.
 // Reductions run in rank order, so ranks that compute the same element get the same bits.
@@ -47,6 +52,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -253,34 +259,45 @@ __device__ __forceinline__ A Combine(A a, A b) {
   else return (a <= b || a != a) ? a : b;
 }
 
-// Waits for every rank, then out[i] = slot 0 [i] op slot 1 [i] op ... (rank order), i < n.
+// Waits for every rank, then out[i] = slot 0 [i] op slot 1 [i] op ... (rank order), i < n, where
+// slot `own_slot` is this rank's own term, read from `own` (its operand: never pushed to itself).
+// out may be own (in place): element i is read before it is written, by the same thread.
 template <class T, int OP>
-__global__ void WaitReduceKernel(const char* mine, T* out, int64_t n, int nranks, size_t src_off,
-                                 size_t slot, size_t off_flags, uint32_t seq, uint64_t timeout_ns,
-                                 ErrRec* err) {
+__global__ void WaitReduceKernel(const char* mine, const T* own, int own_slot, T* out, int64_t n, int nranks,
+                                 size_t src_off, size_t slot, size_t off_flags, uint32_t seq,
+                                 uint64_t timeout_ns, ErrRec* err) {
   if (!BlockWaitAll(mine, nranks, off_flags, seq, timeout_ns, err)) return;
   using A = Acc<T>;
   const T* base = reinterpret_cast<const T*>(mine + src_off);
   const size_t slot_elems = slot / sizeof(T);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    auto acc = A::Load(__ldcg(base + i));
-    for (int p = 1; p < nranks; ++p) acc = Combine<OP>(acc, A::Load(__ldcg(base + p * slot_elems + i)));
+    auto acc = A::Load(__ldcg((own_slot == 0 ? own : base) + i));
+    for (int p = 1; p < nranks; ++p)
+      acc = Combine<OP>(acc, A::Load(__ldcg((p == own_slot ? own : base + p * slot_elems) + i)));
     out[i] = A::Store(acc);
   }
 }
 
 // Waits for every rank, then copies `count` pieces of `bytes` bytes: src + k * src_stride to
-// dst + k * dst_stride.
+// dst + k * dst_stride, but piece `own_k` from `own` (this rank's own piece, never pushed to
+// itself), or not at all where `own` is already that piece of dst (in place).
 __global__ void WaitCopyKernel(const char* mine, const char* src, int64_t src_stride, char* dst,
-                               int64_t dst_stride, int count, int64_t bytes, bool vec, int nranks,
-                               size_t off_flags, uint32_t seq, uint64_t timeout_ns, ErrRec* err) {
+                               int64_t dst_stride, int count, int own_k, const char* own, int64_t bytes,
+                               bool vec, int nranks, size_t off_flags, uint32_t seq, uint64_t timeout_ns,
+                               ErrRec* err) {
   if (!BlockWaitAll(mine, nranks, off_flags, seq, timeout_ns, err)) return;
-  for (int k = 0; k < count; ++k) GridCopy(dst + k * dst_stride, src + k * src_stride, bytes, vec);
+  for (int k = 0; k < count; ++k) {
+    char* d = dst + k * dst_stride;
+    if (k != own_k) GridCopy(d, src + k * src_stride, bytes, vec);
+    else if (own != d) GridCopy(d, own, bytes, vec);
+  }
 }
 
 struct ReduceArgs {
   const char* mine;
+  const void* own;  // this rank's own term (its operand, or its piece of it)
+  int own_slot;     // the slot it stands for (-1: none)
   void* out;
   int64_t n;
   int nranks;
@@ -293,9 +310,10 @@ struct ReduceArgs {
 template <class T>
 cudaError_t LaunchReduce(int op, int blocks, cudaStream_t s, const ReduceArgs& a) {
   T* o = static_cast<T*>(a.out);
-  if (op == 0) WaitReduceKernel<T, 0><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
-  else if (op == 1) WaitReduceKernel<T, 1><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
-  else WaitReduceKernel<T, 2><<<blocks, kThreads, 0, s>>>(a.mine, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
+  const T* w = static_cast<const T*>(a.own);
+  if (op == 0) WaitReduceKernel<T, 0><<<blocks, kThreads, 0, s>>>(a.mine, w, a.own_slot, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
+  else if (op == 1) WaitReduceKernel<T, 1><<<blocks, kThreads, 0, s>>>(a.mine, w, a.own_slot, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
+  else WaitReduceKernel<T, 2><<<blocks, kThreads, 0, s>>>(a.mine, w, a.own_slot, o, a.n, a.nranks, a.src_off, a.slot, a.off_flags, a.seq, a.timeout_ns, a.err);
   return cudaGetLastError();
 }
 
@@ -319,8 +337,19 @@ cudaError_t LaunchReduceTyped(ffi::DataType t, int op, int blocks, cudaStream_t 
   }
 }
 
+// The grid's cap: kMaxBlocks, or JAX_BLINK_IPC_BLOCKS (read once; for measuring the copy rate
+// against the grid on a new machine).
+int MaxBlocks() {
+  static const int cap = [] {
+    const char* v = std::getenv("JAX_BLINK_IPC_BLOCKS");
+    const int b = v != nullptr ? std::atoi(v) : 0;
+    return b >= 1 && b <= 1024 ? b : kMaxBlocks;
+  }();
+  return cap;
+}
+
 int BlocksFor(int64_t units) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, (units + kThreads - 1) / kThreads)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(MaxBlocks(), (units + kThreads - 1) / kThreads)));
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -367,14 +396,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
 
   // What this rank pushes: x + x_off + p * x_stride (piece bytes) to every p in [lo, hi) but skip.
   int64_t x_off = 0, x_stride = 0, push_bytes = c->piece;
-  int lo = 0, hi = n, skip = -1;
+  // Never to itself: its consume kernel reads its own term from x (one local copy less).
+  int lo = 0, hi = n, skip = r;
   switch (k) {
     case Collective::kAllReduce: break;
     case Collective::kAllGather: x_off = r * c->piece; break;
     case Collective::kReduceScatter: x_stride = c->piece; break;
     case Collective::kBroadcast:
-      if (r == root) skip = root;
-      else push_bytes = 0, hi = 0;  // signals only
+      if (r != root) push_bytes = 0, hi = 0;  // signals only
       break;
     case Collective::kReduce: lo = root, hi = root + 1; break;
   }
@@ -393,22 +422,24 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
     // reduce_scatter: this rank's piece only; the others: the whole operand.
     const int64_t out_off = k == Collective::kReduceScatter ? r * c->piece : 0;
     const int64_t elems = c->piece / itemsize;
-    const ReduceArgs a{c->mine, os + out_off, elems, n, src_off, c->slot, c->off_flags, seq, tns, c->d_err};
+    // Its own term: x, or (reduce_scatter) its own piece of x, standing for slot r.
+    const ReduceArgs a{c->mine, xs + out_off, r, os + out_off, elems, n, src_off, c->slot, c->off_flags,
+                       seq, tns, c->d_err};
     e = LaunchReduceTyped(x.element_type(), op, BlocksFor(elems), stream, a);
   } else {
     // Copies: all_gather every slot to its piece; a broadcast's non-root its one slot; a
     // broadcast's root and a reduce's non-roots their own x (nothing where the result is x).
     const char* src = c->mine + src_off;
     int64_t src_stride = static_cast<int64_t>(c->slot), dst_stride = c->piece;
-    int count = 1;
-    if (k == Collective::kAllGather) count = n;
-    if (!Receives(k, r, root)) {
-      src = xs, src_stride = 0;
-      count = os == xs ? 0 : 1;
-    }
-    const bool vec = Aligned16(src) && Aligned16(os) && (count <= 1 || (src_stride % 16 == 0 && dst_stride % 16 == 0));
+    int count = 1, own_k = -1;
+    const char* own = nullptr;
+    if (k == Collective::kAllGather) count = n, own_k = r, own = xs + r * c->piece;  // its own piece from x
+    if (!Receives(k, r, root)) own_k = 0, own = xs;  // its own x (nothing to copy in place)
+    const bool vec = Aligned16(src) && Aligned16(os) && (own == nullptr || Aligned16(own)) &&
+                     (count <= 1 || (src_stride % 16 == 0 && dst_stride % 16 == 0));
     WaitCopyKernel<<<BlocksFor(c->piece / 16 + 1), kThreads, 0, stream>>>(
-        c->mine, src, src_stride, os, dst_stride, count, c->piece, vec, n, c->off_flags, seq, tns, c->d_err);
+        c->mine, src, src_stride, os, dst_stride, count, own_k, own, c->piece, vec, n, c->off_flags, seq, tns,
+        c->d_err);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch (consume)", e));
@@ -423,6 +454,13 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   if (nranks < 2 || rank < 0 || rank >= nranks || bytes <= 0) return "bad rank, rank count or size";
   if (static_cast<int>(kind) < 0 || static_cast<int>(kind) >= kNumCollectives) return "unknown collective";
   if (root < 0 || root >= nranks) return "root out of range";
+  if (const char* v = std::getenv("JAX_BLINK_IPC_BLOCKS"); v != nullptr) {
+    char* end = nullptr;
+    const long b = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || b < 1 || b > 1024)
+      return "JAX_BLINK_IPC_BLOCKS='" + std::string(v) + "' is not understood: the IPC kernels' most blocks, "
+             "an integer from 1 to 1024 (unset: " + std::to_string(kMaxBlocks) + ")";
+  }
   const bool pieces = kind == Collective::kAllGather || kind == Collective::kReduceScatter;
   if (pieces && bytes % nranks != 0)
     return "operand of " + std::to_string(bytes) + " bytes does not split into " + std::to_string(nranks) + " pieces";

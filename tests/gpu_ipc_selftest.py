@@ -1,6 +1,7 @@
 """Two processes run every jax_blink collective through CUDA IPC (needs a CUDA GPU).
 
     python tests/gpu_ipc_selftest.py [--shared] [--out benchmarks/results/ipc-selftest-<machine>.json]
+                                     [--bench-out benchmarks/results/allreduce-ipc-<machine>-<date>.json]
 
 Starts a jax.distributed job of two processes on loopback. With two or more GPUs each process
 takes its own (``local_device_ids=[pid]``), and XLA's psum/pmax/pmin (NCCL) must agree with ours.
@@ -17,6 +18,11 @@ optimized program must hold the IPC custom call. Exits 0 when both processes pas
 compute-sanitizer (IPC_SELFTEST_QUICK=1: float32 and bfloat16, 7 and 1031 elements, every
 collective once):
 ``IPC_SELFTEST_QUICK=1 compute-sanitizer --tool memcheck --target-processes all python tests/gpu_ipc_selftest.py``.
+
+Timing (two GPUs, or IPC_SELFTEST_TIMING=only: no checks, ours alone where NCCL cannot run): a
+20-call chain of all_reduce against lax.psum, float32, 1 KiB-256 MiB per rank; IPC_SELFTEST_PROFILE=1
+adds each kernel's time at 1 and 16 MiB; --bench-out writes the timings as a bench result of layout
+"several processes" for the dispatch table (``python -m jax_blink crossover PATH``).
 """
 from __future__ import annotations
 
@@ -111,9 +117,10 @@ def child(pid: int, port: int, distinct: bool) -> dict:
     rng = np.random.default_rng(7)
     failures, checks, seen_ipc = [], 0, set()
     quick = os.environ.get("IPC_SELFTEST_QUICK") == "1"  # under compute-sanitizer: fewer cases
+    timing = os.environ.get("IPC_SELFTEST_TIMING", "auto")  # auto (two GPUs), only (no checks), off
     dtypes = (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
               ("float64", np.float64), ("int32", np.int32), ("int64", np.int64))
-    for dname, dt in dtypes[:2] if quick else dtypes:
+    for dname, dt in () if timing == "only" else dtypes[:2] if quick else dtypes:
         for size in (7, 1031) if quick else (7, 1031, 1 << 20):
             if size == 1 << 20 and dname not in ("float32", "bfloat16"):
                 continue
@@ -155,16 +162,19 @@ def child(pid: int, port: int, distinct: bool) -> dict:
                 checks += 1
                 if not (ok and same):
                     failures.append(f"{name}: {'wrong values' if not ok else ''} {'ranks differ' if not same else ''}")
-    timings = _time_against_lax(mesh) if distinct and not quick else []
+    timed = timing == "only" or (timing == "auto" and distinct and not quick)
+    timings = _time_against_lax(mesh, lax_too=distinct) if timed else []
     return {"ok": not failures, "process": pid, "checks": checks, "failures": failures, "timings": timings,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "gpus": "one per process" if distinct else "both processes on GPU 0"}
 
 
-def _time_against_lax(mesh) -> list[dict]:
-    """Per-call time of a 20-call chain of our all-reduce and of lax.psum, float32, taking turns
-    (jax_blink.bench's method). Both processes run the same number of rounds (no time-based
-    stopping), so neither waits on a call the other never makes."""
+def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
+    """Per-call time of a 20-call chain of our all-reduce and (``lax_too``: two GPUs, where NCCL
+    runs) of lax.psum, float32, taking turns (jax_blink.bench's method). Both processes run the
+    same number of rounds (no time-based stopping), so neither waits on a call the other never
+    makes. IPC_SELFTEST_PROFILE=1 also traces one chain of ours at 1 and 16 MiB (CUPTI, through
+    jax's profiler) and reports each kernel's median time and the gaps between kernels."""
     import statistics
 
     import jax
@@ -175,20 +185,48 @@ def _time_against_lax(mesh) -> list[dict]:
     from jax_blink import bench
 
     k, rows = 20, []
-    for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 28):
+    profile = os.environ.get("IPC_SELFTEST_PROFILE") == "1"
+    for nbytes in (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28):
         n = nbytes // 4
         ours = bench._chained(lambda v, a: jax_blink.all_reduce(v, a) * 0.5, mesh, "x", k)
         lax_ = bench._chained(lambda v, a: jax.lax.psum(v, a) * 0.5, mesh, "x", k)
-        x = jax.device_put(np.random.default_rng(1).standard_normal(2 * n).astype(np.float32),
-                           NamedSharding(mesh, P("x")))
+        data = np.random.default_rng(1).standard_normal(2 * n).astype(np.float32)
+        # (not device_put: in a job of processes it checks the value through XLA's collectives,
+        # which cannot run where both processes share a GPU)
+        x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P("x")), lambda idx: data[idx])
         runs = 30 if nbytes <= 1 << 20 else 8
-        t_ours, t_lax = bench.interleaved_times([ours, lax_], x, runs)
-        same = np.allclose(np.asarray(ours(x).addressable_shards[0].data),
-                           np.asarray(lax_(x).addressable_shards[0].data), rtol=1e-5, atol=1e-5)
+        fns = [ours, lax_] if lax_too else [ours]
+        times = bench.interleaved_times(fns, x, runs)
         us = lambda t: round(statistics.median(t) / k * 1e6, 2)
-        rows.append({"bytes_per_rank": nbytes, "ours_us": us(t_ours), "lax_us": us(t_lax),
-                     "speedup": round(statistics.median(t_lax) / statistics.median(t_ours), 3), "same": bool(same)})
+        row = {"bytes_per_rank": nbytes, "ours_us": us(times[0])}
+        if lax_too:
+            row["lax_us"] = us(times[1])
+            row["speedup"] = round(statistics.median(times[1]) / statistics.median(times[0]), 3)
+            row["same"] = bool(np.allclose(np.asarray(ours(x).addressable_shards[0].data),
+                                           np.asarray(lax_(x).addressable_shards[0].data), rtol=1e-5, atol=1e-5))
+        if profile and nbytes in (1 << 20, 1 << 24):
+            row["profile"] = _kernel_profile(ours, x)
+        rows.append(row)
     return rows
+
+
+def _kernel_profile(fn, x) -> dict:
+    """Median duration per kernel name of one traced run of ``fn(x)`` on this process's GPU, and
+    the median idle gap between consecutive kernels (benchmarks/call_profile.py's trace)."""
+    import statistics
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import call_profile
+
+    ev = sorted((e for e in call_profile.events(call_profile.trace(fn, x)) if e[0] == "device"
+                 and not call_profile._MEMCPY.search(e[2])), key=lambda e: e[3])
+    by_name: dict[str, list[float]] = {}
+    for e in ev:
+        by_name.setdefault(call_profile._norm(e[2])[:60], []).append(e[4] / 1e3)
+    gaps = [(b[3] - (a[3] + a[4])) / 1e3 for a, b in zip(ev, ev[1:])]
+    return {"kernels_us": {k: [len(v), round(statistics.median(v), 2)] for k, v in by_name.items()},
+            "gap_us_median": round(statistics.median(gaps), 2) if gaps else None,
+            "span_us": round((ev[-1][3] + ev[-1][4] - ev[0][3]) / 1e3, 1) if ev else None}
 
 
 def _gpu_count() -> int:
@@ -232,7 +270,25 @@ def main() -> int:
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
+    if "--bench-out" in sys.argv and distinct:
+        _write_bench_json(sys.argv[sys.argv.index("--bench-out") + 1], results)
     return 0 if summary["ok"] else 1
+
+
+def _write_bench_json(path: str, results: list[dict]) -> None:
+    """The timings as a bench result of layout "several processes", which jax_blink.tuning.derive
+    reads (``python -m jax_blink crossover PATH``): one row per process and size."""
+    rows = [{"size": t["bytes_per_rank"], "count": t["bytes_per_rank"] // 4, "dtype": "float32", "n": 2,
+             "process": r["process"], "time_us": t["ours_us"], "lax_time_us": t["lax_us"],
+             "speedup": t["speedup"], "wrong": 0 if t["same"] else 1}
+            for r in results for t in r.get("timings", []) if "lax_us" in t]
+    meta = {"device_kind": results[0].get("device"), "n": 2, "jax": results[0].get("jax"), "k": 20,
+            "collective": "allreduce", "layout": "several processes", "date": time.strftime("%Y-%m-%d"),
+            "method": "tests/gpu_ipc_selftest.py, one process per GPU (jax.distributed on loopback): a 20-call "
+                      "chain of jax_blink.all_reduce (CUDA IPC) and of lax.psum (NCCL), taking turns, median "
+                      "per-call time; each process timed its own device, one row per process and size"}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def main() -> None:
         raise SystemExit("no jax_blink executor")
     x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
-          f"JAX_BLINK_PDL={os.environ.get('JAX_BLINK_PDL', '')!r}, {a.k} chained calls")
+          f"{a.k} chained calls")
     for name, make in probe.rows(a.elems, x):
         report(name, make(a.k), x, a.k, a.dump)
 

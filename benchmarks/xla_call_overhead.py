@@ -8,9 +8,7 @@ K1 and K2 calls with every program taking turns (bench.interleaved_times). Per r
 time per call at K1 (what earlier notes quote: it carries the program's fixed cost / K1) and the
 marginal cost of one more call, (t(K2) - t(K1)) / (K2 - K1), which the fixed cost does not reach;
 the whole measurement is repeated ``--repeats`` times. Command buffers follow XLA_FLAGS: run it once
-with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (none) to see both;
-``JAX_BLINK_PDL=1`` (read once per process) launches the one-rank copy with programmatic stream
-serialization.
+with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (none) to see both.
 
     python benchmarks/xla_call_overhead.py [--k1 20] [--k2 100] [--runs 30] [--repeats 3] [--out FILE]
 """
@@ -131,7 +129,6 @@ def main() -> None:
             marginal[name].append((t2 - t1) / (a.k2 - a.k1) * 1e6)
     ref = statistics.median(marginal["XLA elementwise op"])
     lines = [f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
-             f"JAX_BLINK_PDL={os.environ.get('JAX_BLINK_PDL', '')!r}, "
              f"K1={a.k1}, K2={a.k2}, median of {a.runs} rounds per repeat, {a.repeats} repeats",
              f"# {'row':>38}  {'us/call at K1 (each repeat)':>30}  {'marginal us/call (each repeat)':>30}  "
              f"{'median':>7}  {'/ XLA op':>8}"]

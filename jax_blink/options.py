@@ -191,7 +191,6 @@ _ENV_ELSEWHERE = (
     "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda_ipc.cu: the IPC kernels' grid cap (measuring a machine)
     "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/distributed.py
     "JAX_BLINK_FULL_BINDING",  # jax_blink/collectives.py: GPU calls carry every attribute (issue 17)
-    "JAX_BLINK_PDL",  # kernels/cuda_executor.cu: one-rank copies with programmatic launch (issue 17 trial)
 )
 #: Every ``JAX_BLINK_*`` environment variable that jax_blink or its executors read.
 KNOWN_ENVIRONMENT = tuple(sorted({*_ENV_OPTIONS, *_ENV_ELSEWHERE}))

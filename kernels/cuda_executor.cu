@@ -210,10 +210,6 @@ struct DeviceState {
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
 std::atomic<LaunchKernelFn> g_launch_kernel{nullptr};
-// cuLaunchKernelEx, for the one-rank copy launched with programmatic stream serialization
-// (JAX_BLINK_PDL=1); fetched with cuLaunchKernel.
-using LaunchKernelExFn = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
-std::atomic<LaunchKernelExFn> g_launch_kernel_ex{nullptr};
 
 std::string LoadLaunchKernel() {
   if (g_launch_kernel.load(std::memory_order_acquire) != nullptr) return {};
@@ -223,25 +219,8 @@ std::string LoadLaunchKernel() {
          cudaGetDriverEntryPointByVersion("cuLaunchKernel", &f, 12000, cudaEnableDefault, &q));
   if (q != cudaDriverEntryPointSuccess || f == nullptr)
     return "jax_blink CUDA executor: the CUDA driver has no cuLaunchKernel (driver too old?)";
-  void* fx = nullptr;
-  q = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fx, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-      q == cudaDriverEntryPointSuccess && fx != nullptr)
-    g_launch_kernel_ex.store(reinterpret_cast<LaunchKernelExFn>(fx), std::memory_order_release);
-  else
-    cudaGetLastError();  // no cuLaunchKernelEx: JAX_BLINK_PDL=1 is refused at set-up (CreateSiteLocked)
   g_launch_kernel.store(reinterpret_cast<LaunchKernelFn>(f), std::memory_order_release);
   return {};
-}
-
-// JAX_BLINK_PDL=1 (issue 17, a trial): one-rank copies launch with programmatic stream
-// serialization. Read once per process, at the first set-up; CheckEnvironment refuses other values.
-bool PdlRequested() {
-  static const bool requested = [] {
-    const char* e = std::getenv("JAX_BLINK_PDL");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }();
-  return requested;
 }
 
 struct Comm {
@@ -295,7 +274,6 @@ struct Site {
   CUfunction fn[kNumDTypes][kNumOps] = {};  // its kernel per dtype and op, on its device (DeviceState::fn)
   CUfunction one_rank = nullptr;            // one rank: the copy (DeviceState::one_rank)
   unsigned copy_threads = 0;                // its block size (one_rank_kernel)
-  bool pdl = false;                         // launched with programmatic stream serialization (JAX_BLINK_PDL)
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
@@ -717,9 +695,6 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   Comm* comm;
   std::string err = GetCommLocked(devices, opt, &comm);
   if (!err.empty()) return err;
-  if (n == 1 && PdlRequested() && g_launch_kernel_ex.load(std::memory_order_acquire) == nullptr)
-    return "jax_blink CUDA executor: JAX_BLINK_PDL=1 needs the driver's cuLaunchKernelEx (CUDA 12 or later), "
-           "which this driver does not have: unset JAX_BLINK_PDL";
   DeviceGuard guard;
   const int G = comm->blocks;
   const int ntrees = prog.ntrees();
@@ -996,7 +971,6 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     if (n == 1) {
       const int64_t words = (prog.total_elems() * esize + 15) / 16;
       s->copy_threads = static_cast<unsigned>(base.grid > 1 ? kCopyThreads : std::clamp<int64_t>((words + 31) / 32 * 32, 32, kCopyThreads));
-      s->pdl = PdlRequested();
     }
     if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
     if (mode == Mode::kHybrid) {
@@ -1256,22 +1230,7 @@ std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, 
     uint8_t* dst = static_cast<uint8_t*>(out);
     int64_t bytes = s->total * s->esize;
     void* args[] = {&src, &dst, &bytes};
-    if (s->pdl) {
-      CUlaunchAttribute attr{};
-      attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr.value.programmaticStreamSerializationAllowed = 1;
-      CUlaunchConfig cfg{};
-      cfg.gridDimX = static_cast<unsigned>(s->grid);
-      cfg.gridDimY = cfg.gridDimZ = 1;
-      cfg.blockDimX = s->copy_threads;
-      cfg.blockDimY = cfg.blockDimZ = 1;
-      cfg.hStream = stream;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      r = g_launch_kernel_ex.load(std::memory_order_relaxed)(&cfg, s->one_rank, args, nullptr);
-    } else {
-      r = launch(s->one_rank, static_cast<unsigned>(s->grid), 1, 1, s->copy_threads, 1, 1, 0, stream, args, nullptr);
-    }
+    r = launch(s->one_rank, static_cast<unsigned>(s->grid), 1, 1, s->copy_threads, 1, 1, 0, stream, args, nullptr);
   } else {
     Params p = s->params;
     p.in = in;
@@ -1438,8 +1397,6 @@ std::string CheckEnvironment() {
     bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
   if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
     bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
-  if (const char* e = EnvValue("JAX_BLINK_PDL"); e != nullptr && std::strcmp(e, "0") != 0 && std::strcmp(e, "1") != 0)
-    bad("JAX_BLINK_PDL", "1 (one-rank copies launch with programmatic stream serialization) or 0");
   return err;
 }
 

@@ -968,14 +968,6 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
 constexpr int kCopyThreads = 256;
 constexpr int64_t kCopyBytesPerBlock = int64_t{kCopyThreads} * 16 * 8;
 __global__ void __launch_bounds__(kCopyThreads) one_rank_kernel(const uint8_t* in, uint8_t* out, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched with programmatic stream serialization (JAX_BLINK_PDL=1, issue 17), the kernel may
-  // start before the previous one on its stream ends: wait for that grid's completion and memory
-  // before reading `in`, then let the next kernel launch (its own wait covers this grid's writes).
-  // Launched without the attribute both instructions do nothing.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t nvec = ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0 ? bytes / 16 : 0;

@@ -2,24 +2,18 @@
 site's program, op, time budget and host share are registered once (``register_call_site``).
 
 Registration checks need the CUDA module only (no GPU); the calls need one GPU (two for the
-lowering through ``jax_blink.all_reduce``). JAX_BLINK_PDL is read once per process, so its runs
-happen in child processes.
+lowering through ``jax_blink.all_reduce``).
 """
 from __future__ import annotations
 
 import functools
 import itertools
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
@@ -154,40 +148,27 @@ def test_full_binding_on_request(monkeypatch):
     assert "@jax_blink_collective(" in text and "jax_blink_collective_lite" not in text
 
 
-_PDL_CHILD = textwrap.dedent("""
-    import numpy as np, jax, jax.numpy as jnp
-    from jax_blink import _backends, _blink_cuda, schedule as S
-    assert _backends.register("gpu")
-    n = 1000
-    x = jnp.asarray(np.random.default_rng(7).standard_normal(n), jnp.float32)
-    prog = [int(w) for w in S.encode(S.Schedule(1, n, n, ()))]
-    ids = iter(range(3 * 10**9, 3 * 10**9 + 100))
-    for target in (_backends.TARGET_LITE, _backends.TARGET_LITE_CB):  # plain, and captured by XLA
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
-        def chain(v):
-            for _ in range(8):
-                cid = next(ids)
-                _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
-                v = call(v * 2.0, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
-            return v
-        f = jax.jit(chain)
-        for _ in range(3):  # set-up, then replays
-            got = np.asarray(f(x))
-            assert got.tobytes() == (np.asarray(x) * 256.0).tobytes(), ("wrong result", target)
-    _blink_cuda.check()
-    print("ok")
-""")
-
-
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("value", ["1", "2"])
-def test_programmatic_launch_of_the_one_rank_copy(value):
-    """JAX_BLINK_PDL=1: XLA's kernels (v * 2) and our copies alternate on one stream, each copy
-    launched with programmatic serialization; results exact. Another value: set-up names it."""
-    env = dict(os.environ, JAX_BLINK_PDL=value)
-    r = subprocess.run([sys.executable, "-c", _PDL_CHILD], env=env, capture_output=True, text=True, timeout=120)
-    if value == "1":
-        assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-    else:
-        assert r.returncode != 0 and "JAX_BLINK_PDL='2' is not understood" in r.stderr, r.stderr[-3000:]
+@pytest.mark.parametrize("target", [_backends.TARGET_LITE, _backends.TARGET_LITE_CB])
+def test_one_rank_copies_alternating_with_xla_kernels_keep_stream_order(target):
+    """XLA's kernels (v * 2) and our one-rank copies alternate on one stream, plain and captured by
+    XLA: each copy reads what the kernel before it wrote (exact, every bit)."""
+    _register()
+    n = 1000
+    x = jnp.asarray(np.random.default_rng(7).standard_normal(n), jnp.float32)
+    prog = _one_rank_program(n)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+    def chain(v):
+        for _ in range(8):
+            cid = next(_ids)
+            _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
+            v = call(v * 2.0, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
+        return v
+
+    f = jax.jit(chain)
+    for _ in range(3):  # set-up, then replays
+        got = np.asarray(f(x))
+        assert got.tobytes() == (np.asarray(x) * 256.0).tobytes(), target
+    _blink_cuda.check()

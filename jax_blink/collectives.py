@@ -240,10 +240,11 @@ def _three_phases(what: str, axes: tuple[str, ...]):
 def _fall_back(problem: str, what: str) -> None:
     """``what`` goes to XLA's own collective because of ``problem``: raise, warn once per problem,
     or say nothing, as ``config.fallback`` says."""
+    if config.fallback == "raise":
+        raise RuntimeError(f"jax_blink: {problem}; {what} cannot run on jax_blink's executor "
+                           "(JAX_BLINK_FALLBACK=raise; with warn or silent it goes to XLA's own collective)")
     msg = (f"jax_blink: {problem}; {what} falls back to XLA's own "
            "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
-    if config.fallback == "raise":
-        raise RuntimeError(msg)
     if config.fallback == "warn" and problem not in _warned:
         _warned.add(problem)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)

@@ -73,7 +73,6 @@ namespace sync = jax_blink::cuda::sync;
 
 constexpr size_t kAlign = 256;
 constexpr int kThreads = 512;
-constexpr int kMaxBlocks = 64;
 
 // Words of a region's control area [0, kAlign): the push kernel's block counter, and the
 // failure claim of its consume kernels.
@@ -97,6 +96,10 @@ struct Comm {
   int device = 0;
   int64_t bytes = 0;  // the operand's (and the result's) size
   int64_t piece = 0;  // what one rank pushes to one peer
+  // The kernels' most blocks: one per SM, as the one-process executor and the measured peer-write
+  // ceiling (NOTES) use (an SM issues a bounded number of remote stores at once, so the link
+  // needs many SMs), or JAX_BLINK_IPC_BLOCKS.
+  int max_blocks = 1;
   size_t slot = 0, off_flags = 0, off_inbox = 0, size = 0;
   char* mine = nullptr;
   std::vector<char*> peers;      // every rank's region, as this process addresses it
@@ -337,19 +340,9 @@ cudaError_t LaunchReduceTyped(ffi::DataType t, int op, int blocks, cudaStream_t 
   }
 }
 
-// The grid's cap: kMaxBlocks, or JAX_BLINK_IPC_BLOCKS (read once; for measuring the copy rate
-// against the grid on a new machine).
-int MaxBlocks() {
-  static const int cap = [] {
-    const char* v = std::getenv("JAX_BLINK_IPC_BLOCKS");
-    const int b = v != nullptr ? std::atoi(v) : 0;
-    return b >= 1 && b <= 1024 ? b : kMaxBlocks;
-  }();
-  return cap;
-}
-
-int BlocksFor(int64_t units) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(MaxBlocks(), (units + kThreads - 1) / kThreads)));
+// A grid of one thread per unit, at most `cap` blocks (Comm::max_blocks).
+int BlocksFor(int64_t units, int cap) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (units + kThreads - 1) / kThreads)));
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -409,7 +402,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   }
   // 16-byte copies where every piece starts aligned (inbox slots are 256-aligned).
   const bool push_vec = Aligned16(xs + x_off) && x_stride % 16 == 0;
-  PushKernel<<<BlocksFor(push_bytes / 16 + 1), kThreads, 0, stream>>>(
+  PushKernel<<<BlocksFor(push_bytes / 16 + 1, c->max_blocks), kThreads, 0, stream>>>(
       xs, x_off, x_stride, push_bytes, push_vec, c->d_peers, n, lo, hi, skip, r, dst_off, c->off_flags, seq,
       reinterpret_cast<unsigned*>(c->mine) + kCounterWord);
   cudaError_t e = cudaGetLastError();
@@ -425,7 +418,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
     // Its own term: x, or (reduce_scatter) its own piece of x, standing for slot r.
     const ReduceArgs a{c->mine, xs + out_off, r, os + out_off, elems, n, src_off, c->slot, c->off_flags,
                        seq, tns, c->d_err};
-    e = LaunchReduceTyped(x.element_type(), op, BlocksFor(elems), stream, a);
+    e = LaunchReduceTyped(x.element_type(), op, BlocksFor(elems, c->max_blocks), stream, a);
   } else {
     // Copies: all_gather every slot to its piece; a broadcast's non-root its one slot; a
     // broadcast's root and a reduce's non-roots their own x (nothing where the result is x).
@@ -437,7 +430,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
     if (!Receives(k, r, root)) own_k = 0, own = xs;  // its own x (nothing to copy in place)
     const bool vec = Aligned16(src) && Aligned16(os) && (own == nullptr || Aligned16(own)) &&
                      (count <= 1 || (src_stride % 16 == 0 && dst_stride % 16 == 0));
-    WaitCopyKernel<<<BlocksFor(c->piece / 16 + 1), kThreads, 0, stream>>>(
+    WaitCopyKernel<<<BlocksFor(c->piece / 16 + 1, c->max_blocks), kThreads, 0, stream>>>(
         c->mine, src, src_stride, os, dst_stride, count, own_k, own, c->piece, vec, n, c->off_flags, seq, tns,
         c->d_err);
     e = cudaGetLastError();
@@ -454,12 +447,19 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   if (nranks < 2 || rank < 0 || rank >= nranks || bytes <= 0) return "bad rank, rank count or size";
   if (static_cast<int>(kind) < 0 || static_cast<int>(kind) >= kNumCollectives) return "unknown collective";
   if (root < 0 || root >= nranks) return "root out of range";
+  long max_blocks = 0;  // 0: one per SM
   if (const char* v = std::getenv("JAX_BLINK_IPC_BLOCKS"); v != nullptr) {
     char* end = nullptr;
-    const long b = std::strtol(v, &end, 10);
-    if (end == v || *end != '\0' || b < 1 || b > 1024)
+    max_blocks = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || max_blocks < 1 || max_blocks > 1024)
       return "JAX_BLINK_IPC_BLOCKS='" + std::string(v) + "' is not understood: the IPC kernels' most blocks, "
-             "an integer from 1 to 1024 (unset: " + std::to_string(kMaxBlocks) + ")";
+             "an integer from 1 to 1024 (unset: one per SM)";
+  }
+  if (max_blocks == 0) {
+    int sms = 0;
+    const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return CudaError("the device's SM count", e);
+    max_blocks = std::max(1, sms);
   }
   const bool pieces = kind == Collective::kAllGather || kind == Collective::kReduceScatter;
   if (pieces && bytes % nranks != 0)
@@ -476,6 +476,7 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   c->root = root;
   c->processes = processes;
   c->device = device;
+  c->max_blocks = static_cast<int>(max_blocks);
   c->bytes = bytes;
   c->piece = pieces ? bytes / nranks : bytes;
   c->slot = AlignUp(static_cast<size_t>(c->piece));

@@ -168,7 +168,7 @@ def test_which_collectives_run_in_phases(two_processes):
     two_processes.setattr(distributed, "rank_devices", lambda axes: _fake_devices([0, 1, 2, 3]))
     distributed.set_processes_per_host(2)
     two_processes.setattr(collectives, "_platform", lambda: "gpu")
-    with pytest.raises(RuntimeError, match="all_gather across hosts: .*one process per GPU.*falls back"):
+    with pytest.raises(RuntimeError, match="all_gather across hosts: .*one process per GPU.*cannot run on jax_blink"):
         collectives._three_phases("all_gather", ("x",))
     two_processes.setattr(config, "fallback", "warn")
     with pytest.warns(RuntimeWarning, match="reduce_scatter across hosts: .*one process per GPU"):

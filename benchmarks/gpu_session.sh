@@ -3,7 +3,7 @@
 # writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
-# Steps: build selftest stbench tests sanitizer hybrid ce overhead bench (hybrid and stbench use
+# Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
@@ -88,6 +88,28 @@ for step in $STEPS; do
       tar czf "$OUT/profile-events.tgz" -C /tmp profile-default profile-none
       build_selftest
       timeout 120 "$ST" --bench --mode ll --min 1K --max 64K 2>&1 | tee "$OUT/selftest_bench-ll.log" | tail -12 ;;
+    ipc)  # issue 14: two processes through CUDA IPC (one GPU each where there are two): checks,
+          # timing against psum with each kernel's time, a bench file for the dispatch table, and
+          # the timing again with the old grid cap (64 blocks) beside the default (one per SM)
+      log ipc
+      kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
+      IPC_SELFTEST_PROFILE=1 timeout 300 python3 tests/gpu_ipc_selftest.py --out "$OUT/ipc-selftest.json" \
+        --bench-out "$OUT/allreduce-ipc-$kind-$(date -u +%F).json" > "$OUT/ipc.log" 2>&1; echo "ipc selftest rc=$?"
+      JAX_BLINK_IPC_BLOCKS=64 IPC_SELFTEST_TIMING=only timeout 200 python3 tests/gpu_ipc_selftest.py \
+        --out "$OUT/ipc-timing-64-blocks.json" > "$OUT/ipc-64.log" 2>&1; echo "ipc 64 blocks rc=$?"
+      python3 - "$OUT" <<'PY'
+import json, sys
+for name in ("ipc-selftest.json", "ipc-timing-64-blocks.json"):
+    try:
+        d = json.load(open(f"{sys.argv[1]}/{name}"))
+    except OSError:
+        continue
+    for p in d["processes"]:
+        print(name, "process", p.get("process"), "checks", p.get("checks"), "failures", p.get("failures", "?"))
+        for t in p.get("timings", []):
+            print("  ", {k: v for k, v in t.items() if k != "profile"}, t.get("profile", ""))
+PY
+      ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -198,7 +198,7 @@ def cmd_crossover(args: argparse.Namespace) -> int:
     from .collectives import _LAX_NAME
     from .tuning import derive
 
-    c = derive(args.runs)  # an unreadable or unfit file: a ValueError naming it (exit 2)
+    c = derive(args.runs, dtype=args.dtype)  # an unreadable or unfit file: a ValueError naming it (exit 2)
     lax_name = _LAX_NAME.get(c.collective, "lax")
     print(f"# {c.collective}: derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
           "paste into jax_blink/tuning.py CROSSOVERS")
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("runs", nargs="+", metavar="JSON", type=lambda t: input_file("JSON", t, suffix=".json"),
                     help="bench results of one collective on one machine (python -m jax_blink.bench -o DIR "
                          "writes them)")
+    pc.add_argument("--dtype", default=None, metavar="DTYPE",
+                    help="derive the entry for this element type from its rows alone (default: one entry for "
+                         "every dtype the runs measured, lax only where lax won in each)")
     pc.set_defaults(func=cmd_crossover)
 
     # Handled by main() before parsing (its arguments belong to the script); listed for --help.

@@ -106,13 +106,14 @@ def _use_lax(collective: str, n: int, x, axes: tuple[str, ...] | None = None) ->
     """Whether this call of ``collective`` on operand ``x`` goes to XLA's own collective
     (``config.dispatch``; with ``"auto"`` the measured table of :mod:`jax_blink.tuning`, which
     counts the bytes of a rank's operand, for the layout of the ranks over ``axes``: in one
-    process, or in several, where another executor runs)."""
+    process, or in several, where another executor runs; the entry for the operand's dtype where
+    there is one)."""
     if config.dispatch == "lax":
         return True
     if config.dispatch == "blink":
         return False
     return tuning.prefer_lax(_device_kind(), n, x.size * np.dtype(x.dtype).itemsize, collective=collective,
-                             layout=_layout(axes, n))
+                             layout=_layout(axes, n), dtype=np.dtype(x.dtype).name)
 
 
 def _layout(axes: tuple[str, ...] | None, n: int) -> str:

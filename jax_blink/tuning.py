@@ -47,6 +47,9 @@ class Crossover:
     sources: tuple[str, ...]
     collective: str = "allreduce"
     layout: str = "one process"
+    #: The element type the entry is for (derived from that dtype's rows alone); None: every dtype,
+    #: derived from all rows (a size goes to lax only where lax won in each dtype measured).
+    dtype: str | None = None
 
     def prefers_lax(self, nbytes: int) -> bool:
         return any(lo <= nbytes and (hi is None or nbytes < hi) for lo, hi in self.lax_ranges)
@@ -58,6 +61,7 @@ class Crossover:
         lines += [f"    {src!r}," for src in self.sources]
         tail = "" if self.collective == "allreduce" else f", collective={self.collective!r}"
         tail += "" if self.layout == "one process" else f", layout={self.layout!r}"
+        tail += "" if self.dtype is None else f", dtype={self.dtype!r}"
         lines.append(")" + tail + ")")
         return "\n".join(lines)
 
@@ -69,9 +73,9 @@ def _lax_won(row: dict) -> bool:
     return float(row["speedup"]) < 1.0 and (math.isnan(slope) or slope < 1.0)
 
 
-def _read_run(src: str, root: str) -> tuple[tuple[str, int, str, str], dict[int, bool]]:
-    """(device kind, ranks, collective, layout) of a bench run and, per operand size it measured,
-    whether lax won there."""
+def _read_run(src: str, root: str, dtype: str | None = None) -> tuple[tuple[str, int, str, str], dict[int, bool]]:
+    """(device kind, ranks, collective, layout) of a bench run and, per operand size it measured
+    (in ``dtype`` only, where given), whether lax won there."""
     try:
         with open(os.path.join(root, src)) as f:
             doc = json.load(f)
@@ -92,15 +96,17 @@ def _read_run(src: str, root: str) -> tuple[tuple[str, int, str, str], dict[int,
     if layout not in LAYOUTS:
         raise ValueError(f"{src}: layout {layout!r} is not one of {LAYOUTS}")
     won: dict[int, bool] = {}
-    for size, dtype, wrong, lax_won in points:
+    for size, row_dtype, wrong, lax_won in points:
+        if dtype is not None and row_dtype != dtype:
+            continue
         if wrong:
-            raise ValueError(f"{src}: {size} bytes {dtype} had {wrong} wrong elements; a run with wrong "
+            raise ValueError(f"{src}: {size} bytes {row_dtype} had {wrong} wrong elements; a run with wrong "
                              "results decides nothing")
         won[size] = won.get(size, True) and lax_won
     return kind, won
 
 
-def derive(sources: Sequence[str], root: str = ".") -> Crossover:
+def derive(sources: Sequence[str], root: str = ".", dtype: str | None = None) -> Crossover:
     """The crossover entry that the bench runs ``sources`` of one collective (JSON files written by
     ``python -m jax_blink.bench -o DIR``; paths relative to ``root``) support.
 
@@ -110,15 +116,17 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
     follow that noise. Between two measured sizes the boundary is their geometric mean; below the
     smallest and above the largest size measured the nearest measured size decides.
 
+    With ``dtype``, only that element type's rows count, and the entry is for that dtype alone.
+
     Raises ValueError when the runs disagree on the machine (device kind, rank count) or the
     collective, when one is of a collective the table does not hold, cannot be read, or had wrong
-    results.
+    results, or when no run measured ``dtype``.
     """
     if not sources:
         raise ValueError("derive() needs at least one bench JSON file")
     kinds, lax_won = set(), {}
     for src in sources:
-        kind, won = _read_run(src, root)
+        kind, won = _read_run(src, root, dtype)
         kinds.add(kind)
         for size, w in won.items():
             lax_won[size] = lax_won.get(size, True) and w
@@ -132,7 +140,7 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
         raise ValueError(f"the runs are of different machines: {sorted(k[:2] for k in kinds)}; "
                          "derive one entry per machine")
     if not lax_won:
-        raise ValueError("the runs measured no size")
+        raise ValueError("the runs measured no size" + (f" in {dtype}" if dtype is not None else ""))
     measured, won_everywhere = set(lax_won), {s for s, w in lax_won.items() if w}
     order = sorted(measured)
     lax = [s in won_everywhere for s in order]
@@ -149,7 +157,7 @@ def derive(sources: Sequence[str], root: str = ".") -> Crossover:
         ranges.append((lo, hi))
         i = j + 1
     (kind, n, collective, layout), = kinds
-    return Crossover(kind, n, tuple(ranges), tuple(sources), collective, layout)
+    return Crossover(kind, n, tuple(ranges), tuple(sources), collective, layout, dtype)
 
 
 # Executor 0.4.x on 2 x H200: three all-reduce runs, 1 KiB-1 GiB, 20 chained calls and the marginal
@@ -226,6 +234,47 @@ CROSSOVERS: tuple[Crossover, ...] = (
     Crossover("cpu", 8, (), (
         "benchmarks/results/reducescatter-cpu-2core-8dev-2026-11-24.json",
     ), collective="reducescatter"),
+    # Per dtype, from the same runs (each dtype's rows alone; only where that differs from the
+    # entry for every dtype above): float32 goes to lax in more places, bfloat16 in a few others.
+    Crossover('cpu', 2, ((131072, 2097152),), (
+        'benchmarks/results/reduce-cpu-2core-2dev-2026-11-24.json',
+    ), collective='reduce', dtype='bfloat16'),
+    Crossover('cpu', 2, ((32768, 131072), (2097152, None)), (
+        'benchmarks/results/allgather-cpu-2core-2dev-2026-11-24.json',
+    ), collective='allgather', dtype='float32'),
+    Crossover('cpu', 2, ((32768, 524288),), (
+        'benchmarks/results/allgather-cpu-2core-2dev-2026-11-24.json',
+    ), collective='allgather', dtype='bfloat16'),
+    Crossover('cpu', 2, ((131072, 524288), (2097152, 8388608)), (
+        'benchmarks/results/reducescatter-cpu-2core-2dev-2026-11-24.json',
+    ), collective='reducescatter', dtype='float32'),
+    Crossover('cpu', 4, ((2097152, 8388608),), (
+        'benchmarks/results/allreduce-cpu-2core-4dev-2026-11-24.json',
+    ), dtype='float32'),
+    Crossover('cpu', 4, ((2097152, 8388608),), (
+        'benchmarks/results/reduce-cpu-2core-4dev-2026-11-24.json',
+    ), collective='reduce', dtype='float32'),
+    Crossover('cpu', 4, ((131072, 524288),), (
+        'benchmarks/results/reduce-cpu-2core-4dev-2026-11-24.json',
+    ), collective='reduce', dtype='bfloat16'),
+    Crossover('cpu', 4, ((32768, None),), (
+        'benchmarks/results/allgather-cpu-2core-4dev-2026-11-24.json',
+    ), collective='allgather', dtype='float32'),
+    Crossover('cpu', 4, ((131072, 524288), (2097152, None)), (
+        'benchmarks/results/reducescatter-cpu-2core-4dev-2026-11-24.json',
+    ), collective='reducescatter', dtype='float32'),
+    Crossover('cpu', 8, ((32768, None),), (
+        'benchmarks/results/allreduce-cpu-2core-8dev-2026-11-24.json',
+    ), dtype='float32'),
+    Crossover('cpu', 8, ((524288, None),), (
+        'benchmarks/results/reduce-cpu-2core-8dev-2026-11-24.json',
+    ), collective='reduce', dtype='float32'),
+    Crossover('cpu', 8, ((32768, None),), (
+        'benchmarks/results/allgather-cpu-2core-8dev-2026-11-24.json',
+    ), collective='allgather', dtype='float32'),
+    Crossover('cpu', 8, ((131072, 2097152),), (
+        'benchmarks/results/reducescatter-cpu-2core-8dev-2026-11-24.json',
+    ), collective='reducescatter', dtype='float32'),
 )
 
 
@@ -235,21 +284,23 @@ def _check_collective(collective: str) -> None:
 
 
 def entry(device_kind: str | None, ranks: int, collective: str = "allreduce",
-          layout: str = "one process") -> Crossover | None:
+          layout: str = "one process", dtype: str | None = None) -> Crossover | None:
     """The table's entry for ``collective`` on ``ranks`` devices of ``device_kind`` whose ranks
-    live as ``layout`` says (None: not measured)."""
+    live as ``layout`` says: the one for ``dtype`` where there is one, else the one for every
+    dtype (None: not measured)."""
     _check_collective(collective)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-    return next((c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks
-                 and c.collective == collective and c.layout == layout), None)
+    found = [c for c in CROSSOVERS if c.device_kind == device_kind and c.ranks == ranks
+             and c.collective == collective and c.layout == layout and c.dtype in (dtype, None)]
+    return next((c for c in found if dtype is not None and c.dtype == dtype), found[0] if found else None)
 
 
 def prefer_lax(device_kind: str | None, ranks: int, nbytes: int, collective: str = "allreduce",
-               layout: str = "one process") -> bool:
+               layout: str = "one process", dtype: str | None = None) -> bool:
     """True when ``collective``'s ``lax`` counterpart was measured faster than the executor for a
     call with ``nbytes`` of operand per rank on ``ranks`` devices of ``device_kind`` whose ranks
-    live as ``layout`` says."""
-    c = entry(device_kind, ranks, collective, layout)
+    live as ``layout`` says, in ``dtype`` where the table has an entry for it."""
+    c = entry(device_kind, ranks, collective, layout, dtype)
     return c is not None and c.prefers_lax(nbytes)
 

@@ -310,7 +310,7 @@ def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     for entry in tuning.CROSSOVERS:  # every collective's and machine's
-        assert main(["crossover", *entry.sources]) == 0
+        assert main(["crossover", *entry.sources, *(["--dtype", entry.dtype] if entry.dtype else [])]) == 0
         out = capsys.readouterr().out
         code = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
         assert eval(code, {"Crossover": tuning.Crossover}) == (entry,)  # noqa: S307 (our own output)

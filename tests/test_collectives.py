@@ -470,7 +470,7 @@ def test_crossover_entries_derive_from_the_runs_they_cite():
     root = os.path.join(os.path.dirname(__file__), "..")
     assert tuning.CROSSOVERS
     for entry in tuning.CROSSOVERS:
-        assert tuning.derive(entry.sources, root=root) == entry
+        assert tuning.derive(entry.sources, root=root, dtype=entry.dtype) == entry
 
 
 def test_derive_sends_a_size_to_psum_only_where_it_won_every_run(tmp_path):

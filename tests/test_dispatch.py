@@ -77,8 +77,10 @@ def test_layouts_are_kept_apart(tmp_path, monkeypatch):
 def test_every_table_entry_names_a_collective_and_each_is_measured():
     assert {c.collective for c in tuning.CROSSOVERS} <= set(tuning.COLLECTIVES)
     assert {c.layout for c in tuning.CROSSOVERS} <= set(tuning.LAYOUTS)
-    keys = [(c.device_kind, c.ranks, c.collective, c.layout) for c in tuning.CROSSOVERS]
-    assert len(keys) == len(set(keys)), "one entry per machine, collective and layout"
+    keys = [(c.device_kind, c.ranks, c.collective, c.layout, c.dtype) for c in tuning.CROSSOVERS]
+    assert len(keys) == len(set(keys)), "one entry per machine, collective, layout and dtype"
+    general = {k[:4] for k in keys if k[4] is None}
+    assert {k[:4] for k in keys} <= general, "a dtype's entry refines an entry for every dtype"
     cpu = {(c.ranks, c.collective) for c in tuning.CROSSOVERS if c.device_kind == "cpu"}
     assert cpu == {(n, coll) for n in (2, 4, 8) for coll in tuning.COLLECTIVES}
 
@@ -138,3 +140,22 @@ def test_the_layout_of_a_call_picks_its_entry(monkeypatch):
     assert not collectives._use_lax("allreduce", 2, x, ("x",))  # ranks in one process
     monkeypatch.setattr(distributed, "lowering_attrs", lambda axes, n, tables=None: spans)
     assert collectives._use_lax("allreduce", 2, x, ("x",))
+
+
+def test_an_entry_per_dtype_refines_the_entry_for_every_dtype(tmp_path, monkeypatch):
+    """A dtype's rows alone can derive an entry of its own (lax where lax won in that dtype); a call
+    in that dtype reads it, other dtypes the entry for every dtype."""
+    run = _bench_json(tmp_path / "allreduce-d.json", "allreduce", 2, [
+        (K, "float32", 0.5), (K, "bfloat16", 2.0), (K * K, "float32", 0.5), (K * K, "bfloat16", 0.5)])
+    every = tuning.derive([run])
+    f32 = tuning.derive([run], dtype="float32")
+    assert every.lax_ranges == ((32 * K, None),) and every.dtype is None
+    assert f32.lax_ranges == ((0, None),) and f32.dtype == "float32"
+    assert eval(f32.as_code(), {"Crossover": tuning.Crossover}) == f32  # noqa: S307 (our own output)
+    with pytest.raises(ValueError, match="measured no size in float16"):
+        tuning.derive([run], dtype="float16")
+    monkeypatch.setattr(tuning, "CROSSOVERS", (every, f32))
+    assert tuning.prefer_lax("cpu", 2, K, dtype="float32")
+    assert not tuning.prefer_lax("cpu", 2, K, dtype="bfloat16")  # the entry for every dtype
+    assert not tuning.prefer_lax("cpu", 2, K, dtype="int32")
+    assert tuning.prefer_lax("cpu", 2, K * K, dtype="int32")

@@ -722,7 +722,8 @@ _LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's valu
              "reduce": "lax.psum", "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
 
 
-def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nbytes: int) -> str:
+def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nbytes: int,
+                   dtype: str | None = None) -> str:
     """What ``config.dispatch`` does with this call on ``n`` devices of ``kind`` (None: unknown)."""
     lax_name = _LAX_NAME[collective]
     if config.dispatch == "lax":
@@ -733,14 +734,15 @@ def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nby
         devs, example = ("GPUs", "'NVIDIA H200'") if platform == "gpu" else ("CPU host devices", "'cpu'")
         return (f"dispatch=auto: the executor, unless jax_blink/tuning.py measured {lax_name} faster on "
                 f"these {devs}: name their kind with device_kind= (e.g. {example}) to see its entry")
-    entry = tuning.entry(kind, n, collective)
+    entry = tuning.entry(kind, n, collective, dtype=dtype)
     if entry is None:
         return f"dispatch=auto: the executor runs this call (jax_blink/tuning.py has no entry for {n} x {kind})"
+    which = f" in {entry.dtype}" if entry.dtype else ""
     if entry.prefers_lax(nbytes):
         return (f"dispatch=auto: {lax_name} runs this call instead: it was measured faster on {n} x {kind} "
-                f"at this size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+                f"at this size{which} (jax_blink/tuning.py, from {', '.join(entry.sources)})")
     return (f"dispatch=auto: the executor runs this call, as the entry for {n} x {kind} says at this "
-            f"size (jax_blink/tuning.py, from {', '.join(entry.sources)})")
+            f"size{which} (jax_blink/tuning.py, from {', '.join(entry.sources)})")
 
 
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
@@ -792,7 +794,7 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
     platform = _topology_platform(topology)
     kind = device_kind or (_device_kind() if platform == _platform() else None)
     lines.append(_executor_line(platform, collective, n, nbytes))
-    lines.append(_dispatch_line(kind, platform, collective, n, nbytes))
+    lines.append(_dispatch_line(kind, platform, collective, n, nbytes, np.dtype(jnp.dtype(dtype)).name))
     # No device kind: no tuned chunk either (the cache is keyed by it), the schedule's default.
     chunk = _chunk_bytes(collective, n, total * itemsize, dtype, kind) \
         if kind is not None or config.chunk_bytes != AUTO else None

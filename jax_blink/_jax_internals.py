@@ -60,6 +60,11 @@ from jax._src import custom_batching as _custom_batching  # noqa: E402
 from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
 
 WHILE_PRIMITIVE = _control_flow.while_p
+# jax._src.core.closed_call_p (eval_jaxpr_p under that name on jax's main branch), its jaxpr in
+# "call_jaxpr": a call that jax emits as a function of its own (a fully unrolled scan's bodies).
+from jax._src import core as _core  # noqa: E402
+
+CALL_PRIMITIVE = _core.closed_call_p
 COND_PRIMITIVE = _control_flow.cond_p
 FFI_CALL_PRIMITIVE = _ffi.ffi_call_p
 

@@ -14,7 +14,8 @@ Explicit calls (``jax_blink.all_reduce`` ...) chain in the trace they are writte
 * every jax_blink call lowered in a block is recorded in :data:`CHAIN`, and one whose operands do
   not already depend on the block's previous call waits for it (the call after a loop, the copies
   of one traced body in an unrolled ``scan``, calls traced in a ``checkpoint`` beside others);
-* a ``while`` (``fori_loop``, ``scan``), ``cond`` / ``switch`` or nested ``jit`` whose jaxprs hold
+* a ``while`` (``fori_loop``, ``scan``), ``cond`` / ``switch``, nested ``jit`` or call (the bodies of
+  a fully unrolled ``scan``) whose jaxprs hold
   jax_blink calls joins the chain as one call: its operands wait for the block's previous call,
   and the block's next call waits for its results. Inside a body the calls chain among themselves;
   XLA runs a loop's body to its end before the next iteration starts.
@@ -85,14 +86,17 @@ def wait(ctx, value, aval, token):
 
 def join(ctx, args, lower):
     """Lower ``lower(*args)``, a loop, cond or nested jit holding jax_blink calls, as one link of
-    its block's chain: each orderable operand waits for the block's previous call, and the
-    block's next call waits for every orderable result (XLA may forward a loop's unchanged
-    carry from its operand, so no single result stands for the whole loop)."""
+    its block's chain: each orderable operand waits for the block's previous call (unless it is
+    computed from it already), and the block's next call waits for every orderable result (XLA
+    may forward a loop's unchanged carry from its operand: no single result stands for the loop)."""
     last = CHAIN.last(ctx)
     if last:
-        token = wait_token(ctx, last)
-        args = [wait(ctx, a, aval, token) if orderable(aval) and single(a) is a else a
-                for a, aval in zip(args, ctx.avals_in)]
+        prev = [v for v, _ in last]
+        waiting = [orderable(aval) and single(a) is a and not _depends_on([a], prev)
+                   for a, aval in zip(args, ctx.avals_in)]
+        if any(waiting):
+            token = wait_token(ctx, last)
+            args = [wait(ctx, a, aval, token) if w else a for a, aval, w in zip(args, ctx.avals_in, waiting)]
     outs = lower(*args)
     deps = [(single(o), aval) for o, aval in zip(outs, ctx.avals_out)
             if orderable(aval) and single(o) is not None]
@@ -115,14 +119,20 @@ def holds_jax_blink_call(*jaxprs) -> bool:
 
 
 def _depends_on(values, targets) -> bool:
-    """Whether one of ``values`` is, or is computed from, one of ``targets`` (MLIR values), looking
-    at most :data:`_SEARCH_BUDGET` values up (False when it gives up: the caller then waits)."""
+    """Whether every one of ``targets`` (MLIR values) is one of ``values`` or among what they are
+    computed from, looking at most :data:`_SEARCH_BUDGET` values up per target (False when it
+    gives up: the caller then waits). Every one: a loop's results stand for the loop together
+    only (XLA may forward an unchanged carry from the loop's operand)."""
+    return all(_reaches(values, t) for t in targets)
+
+
+def _reaches(values, target) -> bool:
     stack = [v for v in map(single, values) if v is not None]
     for _ in range(_SEARCH_BUDGET):
         if not stack:
             return False
         v = stack.pop()
-        if any(v == t for t in targets):
+        if v == target:
             return True
         stack.extend(_jx.operands_of_definition(v))
     return False
@@ -170,7 +180,8 @@ def register() -> None:
         rules = [(_jx.FFI_CALL_PRIMITIVE, _call_rule),
                  (_jx.WHILE_PRIMITIVE, lambda r: _joining_rule(r, lambda p: (p["cond_jaxpr"], p["body_jaxpr"]))),
                  (_jx.COND_PRIMITIVE, lambda r: _joining_rule(r, lambda p: tuple(p["branches"]))),
-                 (_jx.JIT_PRIMITIVE, lambda r: _joining_rule(r, lambda p: (p["jaxpr"],)))]
+                 (_jx.JIT_PRIMITIVE, lambda r: _joining_rule(r, lambda p: (p["jaxpr"],))),
+                 (_jx.CALL_PRIMITIVE, lambda r: _joining_rule(r, lambda p: (p["call_jaxpr"],)))]
         for prim, make in rules:
             entry = _jx.registered_rule(prim, "cpu") or _jx.generic_rule(prim)
             mlir.register_lowering(prim, make(_jx.rule_of(entry)), platform="cpu", inline=_jx.inline_of(entry))

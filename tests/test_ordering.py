@@ -254,3 +254,44 @@ def test_a_loop_or_cond_holding_calls_joins_the_chain_of_the_calls_around_it(kin
     assert len(body_calls) == 2, body_calls
     assert body_calls[0] in body_ancestors[body_calls[1]], f"the calls inside the {kind} are not ordered"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_copies_of_an_unrolled_scan_body_are_ordered():
+    """scan(unroll=2) copies one traced body twice into the while's body: the trace-level chain
+    never saw the second copy, the lowering orders it after the first."""
+    mesh = jax.make_mesh((N,), ("data",))
+    xs = jax.device_put(jnp.asarray(_rand(70, (N, 4, 32))), NamedSharding(mesh, P("data")))
+
+    def body(block):  # each step's call reduces its own slice: nothing but the chain orders them
+        _, ys = lax.scan(lambda c, xi: (c + 1.0, jax_blink.all_reduce(xi, "data")), jnp.float32(0),
+                         block[0], unroll=2)
+        return ys[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    with override(dispatch="blink", timeout_s=5):
+        compiled = fn.lower(xs).compile()
+        got = np.asarray(compiled(xs))
+    hlo = compiled.as_text()
+    _, (loop,), _ = _graph(_computation(hlo))
+    (inner,) = _inner_computations(hlo, loop)
+    calls, _, ancestors = _graph(_computation(hlo, inner))
+    assert len(calls) == 2 and calls[0] in ancestors[calls[1]], calls
+    want = np.asarray(xs, np.float64).sum(0)
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-5, atol=1e-5)
+
+
+def test_call_order_rules_are_in_force_on_cpu():
+    """Fails loudly when a jax upgrade moves what jax_blink/call_order.py wraps: its rules are the
+    CPU rules of while, cond, ffi_call, jit and call, and the primitives that hold calls are
+    lowered in place (jax emits a cached lowering in a function of its own first)."""
+    from jax._src.interpreters import mlir as mlir_internal
+    from jax_blink import _jax_internals as jx
+    wrapped = [jx.WHILE_PRIMITIVE, jx.COND_PRIMITIVE, jx.FFI_CALL_PRIMITIVE, jx.JIT_PRIMITIVE, jx.CALL_PRIMITIVE]
+    assert [p.name for p in wrapped[:4]] == ["while", "cond", "ffi_call", "jit"]
+    for prim in wrapped:
+        rule = jx.rule_of(jx.registered_rule(prim, "cpu"))
+        assert rule.__name__ in ("jax_blink_ordered_lowering", "jax_blink_ordered_ffi_call_lowering",
+                                 "jax_blink_jit_lowering"), (prim, rule)
+    assert {p.name for p in jx.CALL_HOLDING_PRIMITIVES} >= {"scan", "custom_jvp_call", "custom_vmap_call",
+                                                            "while", "cond", "ffi_call"}
+    assert set(jx.CALL_HOLDING_PRIMITIVES) <= mlir_internal._uncacheable_primitives

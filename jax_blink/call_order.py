@@ -37,8 +37,8 @@ COLLECTIVE_TARGETS = frozenset({_backends.TARGET, _backends.TARGET_CB, _backends
 #: The last jax_blink call (or call-holding loop, cond, nested jit) lowered in each block.
 CHAIN = _jx.CallChain()
 
-#: How many values up a call's operands :func:`_depends_on` looks for the previous call's result
-#: before it stops and adds a wait (an explicit call's trace-level wait is a few values up).
+#: How many values up from a call's operands :func:`_depends_on` looks for the previous call's
+#: result before it stops and adds a wait (an explicit call's trace-level wait is a few values up).
 _SEARCH_BUDGET = 256
 
 _lock = threading.Lock()
@@ -120,22 +120,19 @@ def holds_jax_blink_call(*jaxprs) -> bool:
 
 def _depends_on(values, targets) -> bool:
     """Whether every one of ``targets`` (MLIR values) is one of ``values`` or among what they are
-    computed from, looking at most :data:`_SEARCH_BUDGET` values up per target (False when it
-    gives up: the caller then waits). Every one: a loop's results stand for the loop together
-    only (XLA may forward an unchanged carry from the loop's operand)."""
-    return all(_reaches(values, t) for t in targets)
-
-
-def _reaches(values, target) -> bool:
+    computed from, looking at :data:`_SEARCH_BUDGET` values up at most (False when it gives up:
+    the caller then waits). Every one: a loop's results stand for the loop together only (XLA
+    may forward an unchanged carry from the loop's operand)."""
+    missing = set(targets)
     stack = [v for v in map(single, values) if v is not None]
-    for _ in range(_SEARCH_BUDGET):
-        if not stack:
-            return False
+    seen: set = set()
+    while missing and stack and len(seen) < _SEARCH_BUDGET:
         v = stack.pop()
-        if v == target:
-            return True
-        stack.extend(_jx.operands_of_definition(v))
-    return False
+        if v not in seen:
+            seen.add(v)
+            missing.discard(v)
+            stack.extend(_jx.operands_of_definition(v))
+    return not missing
 
 
 def _call_rule(replaced):

@@ -14,15 +14,16 @@ Explicit calls (``jax_blink.all_reduce`` ...) chain in the trace they are writte
 * every jax_blink call lowered in a block is recorded in :data:`CHAIN`, and one whose operands do
   not already depend on the block's previous call waits for it (the call after a loop, the copies
   of one traced body in an unrolled ``scan``, calls traced in a ``checkpoint`` beside others);
-* a ``while`` (``fori_loop``, ``scan``), ``cond`` / ``switch``, nested ``jit`` or call (the bodies of
-  a fully unrolled ``scan``) whose jaxprs hold
-  jax_blink calls joins the chain as one call: its operands wait for the block's previous call,
-  and the block's next call waits for its results. Inside a body the calls chain among themselves;
-  XLA runs a loop's body to its end before the next iteration starts.
+* a ``while`` (``fori_loop``, ``scan``), ``cond`` / ``switch``, nested ``jit`` or call (a fully
+  unrolled ``scan``'s bodies) whose jaxprs hold jax_blink calls joins the chain as one call: its
+  operands wait for the block's previous call, and the block's next call waits for its results.
+  Inside a body the calls chain among themselves; XLA runs a loop's body to its end before the
+  next iteration starts.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -84,7 +85,7 @@ def wait(ctx, value, aval, token):
     return mlir.lower_fun(_distributed.after, multiple_results=False)(sub, value, token)[0]
 
 
-def join(ctx, args, lower):
+def join(ctx, args: Sequence, lower: Callable) -> Sequence:
     """Lower ``lower(*args)``, a loop, cond or nested jit holding jax_blink calls, as one link of
     its block's chain: each orderable operand waits for the block's previous call (unless it is
     computed from it already), and the block's next call waits for every orderable result (XLA

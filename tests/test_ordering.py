@@ -295,3 +295,25 @@ def test_call_order_rules_are_in_force_on_cpu():
     assert {p.name for p in jx.CALL_HOLDING_PRIMITIVES} >= {"scan", "custom_jvp_call", "custom_vmap_call",
                                                             "while", "cond", "ffi_call"}
     assert set(jx.CALL_HOLDING_PRIMITIVES) <= mlir_internal._uncacheable_primitives
+
+
+def test_explicit_calls_in_a_checkpoint_and_a_nested_jit_join_the_chain():
+    """Calls traced in a trace of their own (jax.checkpoint, a nested jax.jit) are ordered against
+    the calls around them, which the trace-level chain cannot see."""
+    mesh = jax.make_mesh((N,), ("data",))
+    xs = [jax.device_put(jnp.asarray(_rand(80 + i, (N, 32))), NamedSharding(mesh, P("data"))) for i in range(4)]
+
+    def program(reduce):
+        inner = jax.jit(lambda v: reduce(v) * 2.0)
+
+        def body(a, b, c, d):
+            return reduce(a), jax.checkpoint(reduce)(b), inner(c), reduce(d)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 4, out_specs=(P(),) * 4))
+
+    want = jax.tree.map(np.asarray, program(lambda v: lax.psum(v, "data"))(*xs))
+    with override(dispatch="blink", timeout_s=5):
+        compiled = program(lambda v: jax_blink.all_reduce(v, "data")).lower(*xs).compile()
+        got = jax.tree.map(np.asarray, compiled(*xs))
+    _assert_totally_ordered(compiled.as_text(), expected_calls=4)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), got, want)

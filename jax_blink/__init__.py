@@ -7,12 +7,17 @@ OR-Tools at trace time, and run them as an XLA custom call::
 """
 from .collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast, check,
                           explain, reduce, reduce_scatter)
+from .call_order import register as _register_call_order
 from .options import config
 from .switch import explain_lowering, install, installed, is_installed, switch_report, uninstall
 from .topology import Topology
 from .treegen import Plan, plan
 
 __version__ = "0.1.0"
+
+# On CPU, loops, conds and nested jits that hold jax_blink calls join the chain of the calls
+# around them (jax_blink/call_order.py): lowering rules in force while jax_blink is imported.
+_register_call_order()
 
 __all__ = [
     "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "backends", "broadcast",

@@ -50,6 +50,33 @@ PRIMITIVES: dict[str, Any] = {
 
 JIT_PRIMITIVE = _pjit.jit_p
 
+# jax._src.lax.control_flow: while_p (while_loop, fori_loop, and scan, which jax lowers as a
+# while) and cond_p (cond, switch); jax._src.ffi.ffi_call_p: what jax.ffi.ffi_call binds, its
+# target in the equation's "target_name" parameter. jax_blink.call_order wraps their CPU rules.
+from jax._src.lax import control_flow as _control_flow  # noqa: E402
+from jax._src import ffi as _ffi  # noqa: E402
+from jax._src import ad_checkpoint as _ad_checkpoint  # noqa: E402
+from jax._src import custom_batching as _custom_batching  # noqa: E402
+from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
+
+WHILE_PRIMITIVE = _control_flow.while_p
+# jax._src.core.closed_call_p (eval_jaxpr_p under that name on jax's main branch), its jaxpr in
+# "call_jaxpr": a call that jax emits as a function of its own (a fully unrolled scan's bodies).
+from jax._src import core as _core  # noqa: E402
+
+CALL_PRIMITIVE = _core.closed_call_p
+COND_PRIMITIVE = _control_flow.cond_p
+FFI_CALL_PRIMITIVE = _ffi.ffi_call_p
+
+#: Primitives whose lowering holds a sub-jaxpr (or is a custom call) that jax_blink calls live in:
+#: scan, custom_jvp (every explicit call is one), custom_vmap, checkpoint, while, cond, ffi_call.
+#: jax emits a cacheable primitive's lowering into a function of its own first and copies it to
+#: the call site after (mlir._cached_lowering_miss), so a rule lowered there cannot see the
+#: block's earlier calls; jax_blink.call_order marks these uncacheable (the same program results).
+CALL_HOLDING_PRIMITIVES = (_control_flow.scan_p, _custom_derivatives.custom_jvp_call_p,
+                           _custom_batching.custom_vmap_p, _ad_checkpoint.remat_p,
+                           WHILE_PRIMITIVE, COND_PRIMITIVE, FFI_CALL_PRIMITIVE)
+
 
 def set_uncacheable(prim, uncacheable: bool) -> bool:
     """Mark ``prim``'s lowering as one that jax must emit afresh at each equation (never a shared
@@ -173,18 +200,29 @@ class CallChain:
             self._blocks(ctx)[block] = list(deps)
 
 
-def holds_collective(jaxpr) -> bool:
-    """Whether a (closed) jaxpr binds one of :data:`PRIMITIVES`, at any depth
+def holds_equation(jaxpr, predicate) -> bool:
+    """Whether a (closed) jaxpr has an equation for which ``predicate(eqn)`` holds, at any depth
     (jax._src.core.jaxprs_in_params: the jaxprs in an equation's parameters)."""
     from jax._src import core
-    prims = set(PRIMITIVES.values())
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:
         for eqn in stack.pop().eqns:
-            if eqn.primitive in prims:
+            if predicate(eqn):
                 return True
             stack.extend(core.jaxprs_in_params(eqn.params))
     return False
+
+
+def holds_collective(jaxpr) -> bool:
+    """Whether a (closed) jaxpr binds one of :data:`PRIMITIVES`, at any depth."""
+    prims = set(PRIMITIVES.values())
+    return holds_equation(jaxpr, lambda eqn: eqn.primitive in prims)
+
+
+def operands_of_definition(value) -> list:
+    """The operands of the MLIR operation that defines ``value`` (none for a block argument:
+    ir.Value.owner is then the Block)."""
+    return list(getattr(value.owner, "operands", ()))
 
 
 def optimization_barrier_after(value, dep):

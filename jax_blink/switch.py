@@ -43,6 +43,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 from . import _backends, _jax_internals as _jx, collectives as _col, distributed as _distributed, tuning
+from .call_order import CHAIN as _chain, chains_on_cpu as _chains_on_cpu
 from .hierarchy import SubGroup
 from .options import config
 
@@ -59,7 +60,6 @@ _was_uncacheable: dict[str, bool] = {}
 _installed = False
 _decisions: collections.deque = collections.deque(maxlen=10_000)
 _warned: set[str] = set()
-_chain = _jx.CallChain()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,72 +181,16 @@ def _make_rule(name: str, platform: str, replaced):
 def _jit_rule(name: str, platform: str, replaced):
     """A nested jax.jit call lowered as jax does, but never through a function that an earlier call
     site of the same jaxpr emitted: two call sites of one function would share the comm_ids of
-    the collectives inside it, and XLA:CPU may run independent calls at once.
-
-    On CPU, a call whose jaxpr holds collectives also joins its block's chain of jax_blink calls
-    (see :func:`_lower`): its operands wait for the block's previous call, and the block's next
-    call waits for its results. Its collectives live in a function of their own, which the
-    chain of the caller's block cannot reach otherwise (seen: the psum in the transpose of
-    jnp.take inside a GPT-2 gradient step, unordered against the step's other calls)."""
+    the collectives inside it, and XLA:CPU may run independent calls at once. (On CPU, ``replaced``
+    is jax_blink.call_order's rule: a call whose jaxpr holds collectives joins its block's chain.)"""
     del name, platform
 
     def rule(ctx, *args, **params):
         _jx.forget_lowered_jit_functions(ctx)
-        if not (_chains_on_cpu(ctx) and _jx.holds_collective(params["jaxpr"])):
-            return replaced(ctx, *args, **params)
-        last = _chain.last(ctx)
-        if last:
-            token = _wait_token(ctx, last)
-            args = [_wait(ctx, a, aval, token) if _orderable(aval) and _single(a) is a else a
-                    for a, aval in zip(args, ctx.avals_in)]
-        outs = replaced(ctx, *args, **params)
-        deps = [(_single(o), aval) for o, aval in zip(outs, ctx.avals_out)
-                if _orderable(aval) and _single(o) is not None]
-        if deps:
-            _chain.record(ctx, deps)
-        return outs
+        return replaced(ctx, *args, **params)
 
     rule.__name__ = "jax_blink_jit_lowering"
     return rule
-
-
-def _single(value):
-    """The one MLIR value of a rule's result (jax gives some as a 1-tuple); None if several."""
-    if isinstance(value, (tuple, list)):
-        return value[0] if len(value) == 1 else None
-    return value
-
-
-def _chains_on_cpu(ctx) -> bool:
-    """Whether this lowering orders jax_blink calls with the CPU executor's jax_blink_after call."""
-    return (_jx.lowering_platforms(ctx) == ("cpu",) and _jx.manual_mesh(ctx) is not None
-            and _backends.register("cpu"))
-
-
-def _orderable(aval) -> bool:
-    """An array the jax_blink_after call can take (non-empty, of a plain dtype)."""
-    shape = getattr(aval, "shape", None)
-    return (shape is not None and all(isinstance(d, (int, np.integer)) for d in shape)
-            and int(np.prod(shape)) > 0 and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended))
-
-
-def _wait_token(ctx, deps: list):
-    """An int32 scalar that exists only once every value of ``deps`` does."""
-    def token(*ds):
-        t = jax.numpy.int32(0)
-        for d in ds:
-            t = _distributed.after(t, d)
-        return t
-
-    i32 = _jx.int32_scalar_aval()
-    sub = ctx.replace(primitive=None, avals_in=[a for _, a in deps], avals_out=[i32])
-    return mlir.lower_fun(token, multiple_results=False)(sub, *(v for v, _ in deps))[0]
-
-
-def _wait(ctx, value, aval, token):
-    """``value``, computed only once ``token`` exists (a jax_blink_after call)."""
-    sub = ctx.replace(primitive=None, avals_in=[aval, _jx.int32_scalar_aval()], avals_out=[aval])
-    return mlir.lower_fun(_distributed.after, multiple_results=False)(sub, value, token)[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,8 +115,8 @@ def install() -> None:
                 _was_uncacheable[name] = _jx.set_uncacheable(prim, True)
         for platform in LOWERING_PLATFORMS:  # a primitive of jax_blink's own: nothing replaced
             _saved[("merged", platform)] = None
-            mlir.register_lowering(_merge.merged_all_reduce_p, _merged_rule(platform),
-                                   platform=platform, cacheable=False)
+            mlir.register_lowering(_merge.merged_all_reduce_p, _merged_rule(platform), platform=platform)
+        _was_uncacheable["merged"] = _jx.set_uncacheable(_merge.merged_all_reduce_p, True)  # as above
         _installed = True
         jax.clear_caches()
 
@@ -131,7 +131,7 @@ def uninstall() -> None:
         for (name, platform), own in _saved.items():
             _jx.restore_rule(prims[name], platform, own)
         for name, was in _was_uncacheable.items():
-            _jx.set_uncacheable(_jx.PRIMITIVES[name], was)
+            _jx.set_uncacheable(prims[name], was)
         _saved.clear()
         _was_uncacheable.clear()
         _installed = False

@@ -191,3 +191,15 @@ def test_explain_lowering_says_how_many_operands_a_call_covers():
         text = jax_blink.explain_lowering(fn, tree)
     assert "float32[33], 8 ranks on cpu: one jax_blink executor call for 4 operands" in text, text
     assert "int8[1, 4] on cpu: XLA's own collective (dtype int8" in text, text
+
+
+def test_install_replaces_and_uninstall_restores_the_shard_map_and_merged_rules():
+    from jax_blink import _jax_internals as jx
+    assert jx.generic_rule(jx.SHARD_MAP_PRIMITIVE) is not None  # jax's rule, which the switch wraps
+    prims = (jx.SHARD_MAP_PRIMITIVE, merge.merged_all_reduce_p)
+    before = {(p, pl): jx.registered_rule(p, pl) for p in prims for pl in ("cpu", "cuda")}
+    jax_blink.install()
+    for p in prims:
+        assert "jax_blink" in jx.rule_of(jx.registered_rule(p, "cpu")).__name__, p
+    jax_blink.uninstall()
+    assert {(p, pl): jx.registered_rule(p, pl) for p in prims for pl in ("cpu", "cuda")} == before

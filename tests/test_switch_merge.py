@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_blink
 from jax_blink import merge
 from jax_blink.options import override
+from test_ordering import _assert_totally_ordered  # tests/ is on sys.path: pytest's prepend import mode
 
 DEVICES = jax.devices()
 N = len(DEVICES)
@@ -51,14 +52,18 @@ def _tree(mesh, seed):
 
 def _run(fn, *args):
     """``fn(*args)`` without the switch, then with it: both results, the jax_blink calls in the
-    compiled program under the switch, and the switch's decisions."""
+    compiled program under the switch (checked to run in one order: test_ordering.py), and the
+    switch's decisions."""
     plain = fn(*args)
     with jax_blink.installed(), override(dispatch="blink"):
         jax_blink.switch_report(clear=True)
         compiled = fn.lower(*args).compile()
         switched = compiled(*args)
         report = jax_blink.switch_report()
-    return plain, switched, len(_CALL.findall(compiled.as_text())), report
+    hlo = compiled.as_text()
+    calls = len(_CALL.findall(hlo))
+    _assert_totally_ordered(hlo, calls)
+    return plain, switched, calls, report
 
 
 def _assert_identical(want, got):

@@ -20,6 +20,10 @@ it replaced (XLA's own collective) where jax_blink cannot run the call or should
 platform, several processes, a partially manual mesh, asynchronous collectives, uneven groups, the
 dispatch table's size ranges, ...). Each decision is kept, with its reason: :func:`switch_report`.
 
+A pytree all-reduce (``lax.psum(grads)``: one equation per leaf) is one call per dtype: the switch
+also wraps shard_map's rule, which merges each run of adjacent all-reduces of its body first
+(:mod:`jax_blink.merge`, :func:`_merged_rule`; ``merge.MERGE_BYTES`` caps a call).
+
 Compiled programs are cached by jax; a program compiled before :func:`install` would keep XLA's
 collectives. ``install`` and ``uninstall`` therefore clear jax's caches (``jax.clear_caches``):
 the next call of every jitted function lowers again under the rules now in force.

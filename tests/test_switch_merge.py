@@ -208,3 +208,34 @@ def test_install_replaces_and_uninstall_restores_the_shard_map_and_merged_rules(
         assert "jax_blink" in jx.rule_of(jx.registered_rule(p, "cpu")).__name__, p
     jax_blink.uninstall()
     assert {(p, pl): jx.registered_rule(p, pl) for p in prims for pl in ("cpu", "cuda")} == before
+
+
+def test_the_dispatch_table_decides_on_the_merged_size():
+    """CPU's table: 8 KiB per rank on 8 ranks runs on jax_blink, 32 KiB goes to XLA. Four 8 KiB
+    leaves merge into 32 KiB: decided once, for the group, on XLA; each operand then lowers as jax's
+    own all-reduce. Merging off, each leaf alone runs on jax_blink."""
+    from jax_blink import tuning
+    assert not tuning.prefer_lax("cpu", N, 8 << 10) and tuning.prefer_lax("cpu", N, 32 << 10)
+    mesh = _mesh()
+    rng = np.random.default_rng(7)
+    tree = [jax.device_put(jnp.asarray(rng.integers(-50, 50, (N, 2048)).astype(np.float32)),
+                           NamedSharding(mesh, P("x"))) for _ in range(4)]
+    fn = jax.jit(jax.shard_map(lambda t: lax.psum(t, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    plain = fn(tree)
+    reports = {}
+    for cap, calls_expected in ((merge.MERGE_BYTES, 0), (0, 4)):
+        with jax_blink.installed(), override(dispatch="auto"):
+            merge.MERGE_BYTES, saved = cap, merge.MERGE_BYTES
+            try:
+                jax_blink.switch_report(clear=True)
+                compiled = fn.lower(tree).compile()
+                switched = compiled(tree)
+                reports[cap] = jax_blink.switch_report()
+            finally:
+                merge.MERGE_BYTES = saved
+        _assert_identical(plain, switched)
+        assert len(_CALL.findall(compiled.as_text())) == calls_expected
+    (merged,) = reports[merge.MERGE_BYTES]
+    assert merged.operands == 4 and merged.runs_on == "xla" and "dispatch=auto" in merged.reason
+    assert "XLA's own collective for each of 4 operands" in str(merged)
+    assert [(d.operands, d.runs_on) for d in reports[0]] == [(1, "jax_blink")] * 4

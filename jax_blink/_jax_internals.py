@@ -245,3 +245,28 @@ from jax._src.interpreters import batching as _batching  # noqa: E402
 def is_vmap_batched(value) -> bool:
     """Whether ``value`` is being batched by ``vmap`` at this point of the trace."""
     return isinstance(value, _batching.BatchTracer)
+
+
+# jax._src.shard_map.shard_map_p: the primitive of a shard_map (and of pmap, which jax runs as one);
+# its lowering rule takes the body as the ``jaxpr`` parameter (a core.Jaxpr). The switch rewrites
+# that body before jax lowers it (:mod:`jax_blink.merge`).
+from jax._src import shard_map as _shard_map  # noqa: E402
+# jax._src.core: Jaxpr.replace(eqns=...) and new_jaxpr_eqn, to put one equation in place of several.
+from jax._src import core as _core  # noqa: E402
+
+SHARD_MAP_PRIMITIVE = _shard_map.shard_map_p
+
+
+def replace_eqns(jaxpr, eqns: list):
+    """``jaxpr`` (a core.Jaxpr) with ``eqns`` as its equations (same inputs, outputs, effects)."""
+    return jaxpr.replace(eqns=eqns)
+
+
+def new_eqn(invars: list, outvars: list, prim, params: dict, effects, like):
+    """An equation of ``prim`` with the source info and context of the equation ``like``."""
+    return _core.new_jaxpr_eqn(invars, outvars, prim, params, effects, like.source_info, like.ctx)
+
+
+def is_var(atom) -> bool:
+    """Whether a jaxpr atom is a variable (not a literal constant)."""
+    return isinstance(atom, _core.Var)

@@ -20,6 +20,10 @@ it replaced (XLA's own collective) where jax_blink cannot run the call or should
 platform, several processes, a partially manual mesh, asynchronous collectives, uneven groups, the
 dispatch table's size ranges, ...). Each decision is kept, with its reason: :func:`switch_report`.
 
+A pytree all-reduce (``lax.psum(grads)``: one equation per leaf) is one call per dtype: the switch
+also wraps shard_map's rule, which merges each run of adjacent all-reduces of its body first
+(:mod:`jax_blink.merge`, :func:`_merged_rule`; ``merge.MERGE_BYTES`` caps a call).
+
 Compiled programs are cached by jax; a program compiled before :func:`install` would keep XLA's
 collectives. ``install`` and ``uninstall`` therefore clear jax's caches (``jax.clear_caches``):
 the next call of every jitted function lowers again under the rules now in force.
@@ -43,6 +47,7 @@ from jax import lax
 from jax.interpreters import mlir
 
 from . import _backends, _jax_internals as _jx, collectives as _col, distributed as _distributed, tuning
+from . import merge as _merge
 from .call_order import CHAIN as _chain, chains_on_cpu as _chains_on_cpu
 from .hierarchy import SubGroup
 from .options import config
@@ -74,9 +79,13 @@ class Decision:
     platform: str           # the platform lowered for
     runs_on: str            # "jax_blink" or "xla"
     reason: str             # why
+    operands: int = 1       # operands of one pytree psum merged into this call (shape: all of them, flat)
 
     def __str__(self) -> str:
         where = "jax_blink executor" if self.runs_on == "jax_blink" else "XLA's own collective"
+        if self.operands > 1:
+            where = (f"one jax_blink executor call for {self.operands} operands" if self.runs_on == "jax_blink"
+                     else f"XLA's own collective for each of {self.operands} operands")
         ranks = f", {self.ranks} ranks" if self.ranks else ""
         return (f"{self.primitive} over {self.axes} of {self.dtype}{list(self.shape)}{ranks} on "
                 f"{self.platform}: {where} ({self.reason})")
@@ -95,19 +104,23 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        for name, prim in [*_jx.PRIMITIVES.items(), ("jit", _jx.JIT_PRIMITIVE)]:
+        for name, prim in _rewritten_primitives():
             for platform in LOWERING_PLATFORMS:
                 own = _jx.registered_rule(prim, platform)
                 replaced = own if own is not None else _jx.generic_rule(prim)
                 if replaced is None:  # jax lowers it nowhere: nothing to replace
                     continue
                 _saved[(name, platform)] = own
-                rule = (_jit_rule if name == "jit" else _make_rule)(name, platform, _jx.rule_of(replaced))
+                rule = _RULES.get(name, _make_rule)(name, platform, _jx.rule_of(replaced))
                 mlir.register_lowering(prim, rule, platform=platform, inline=_jx.inline_of(replaced))
-            if name != "jit":
+            if name in _jx.PRIMITIVES:
                 # Each call site its own comm_id (the executors tell calls apart by it): jax must not
                 # emit one shared function for equal equations, which XLA:CPU may run at once.
                 _was_uncacheable[name] = _jx.set_uncacheable(prim, True)
+        for platform in LOWERING_PLATFORMS:  # a primitive of jax_blink's own: nothing replaced
+            _saved[("merged", platform)] = None
+            mlir.register_lowering(_merge.merged_all_reduce_p, _merged_rule(platform), platform=platform)
+        _was_uncacheable["merged"] = _jx.set_uncacheable(_merge.merged_all_reduce_p, True)  # as above
         _installed = True
         jax.clear_caches()
 
@@ -118,11 +131,11 @@ def uninstall() -> None:
     with _lock:
         if not _installed:
             return
+        prims = dict(_rewritten_primitives(), merged=_merge.merged_all_reduce_p)
         for (name, platform), own in _saved.items():
-            prim = _jx.JIT_PRIMITIVE if name == "jit" else _jx.PRIMITIVES[name]
-            _jx.restore_rule(prim, platform, own)
+            _jx.restore_rule(prims[name], platform, own)
         for name, was in _was_uncacheable.items():
-            _jx.set_uncacheable(_jx.PRIMITIVES[name], was)
+            _jx.set_uncacheable(prims[name], was)
         _saved.clear()
         _was_uncacheable.clear()
         _installed = False
@@ -193,6 +206,32 @@ def _jit_rule(name: str, platform: str, replaced):
     return rule
 
 
+def _shard_map_rule(name: str, platform: str, replaced):
+    """A shard_map (or pmap) lowered as jax does, its body's runs of adjacent all-reduces of one
+    kind and axes (what ``lax.psum(tree)`` binds: one equation per leaf) first merged into one
+    equation each (:mod:`jax_blink.merge`), which :func:`_merged_rule` lowers as one call per dtype.
+    Only for a lowering for this platform alone, not for export: there every collective stays
+    XLA's, and the merged primitive has no rule on other platforms."""
+    del name
+
+    def rule(ctx, *args, jaxpr, **params):
+        if (_merge.MERGE_BYTES > 0 and _jx.lowering_platforms(ctx) == (platform,)
+                and not _jx.lowering_for_export(ctx)):
+            jaxpr = _merge.merge_all_reduces(jaxpr)
+        return replaced(ctx, *args, jaxpr=jaxpr, **params)
+
+    rule.__name__ = "jax_blink_shard_map_lowering"
+    return rule
+
+
+def _rewritten_primitives() -> list[tuple[str, object]]:
+    """(name, primitive) of every primitive whose lowering rule the switch replaces."""
+    return [*_jx.PRIMITIVES.items(), ("jit", _jx.JIT_PRIMITIVE), ("shard_map", _jx.SHARD_MAP_PRIMITIVE)]
+
+
+_RULES = {"jit": _jit_rule, "shard_map": _shard_map_rule}  # the rest: _make_rule
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """What the emitter needs: ranks, the rank and group of each mesh position, the executor."""
@@ -234,8 +273,10 @@ def _device_kind(exec_platform: str) -> str | None:
     return devices[0].device_kind if devices else None
 
 
-def _decide(name: str, platform: str, ctx, params: dict) -> tuple[Decision, _Plan | None]:
-    aval = ctx.avals_in[0]
+def _decide(name: str, platform: str, ctx, params: dict, aval=None) -> tuple[Decision, _Plan | None]:
+    """Where one collective runs. ``aval`` (shape and dtype; default: the equation's operand) is the
+    operand to decide for: a merged run's concatenation (:func:`_merged_rule`)."""
+    aval = ctx.avals_in[0] if aval is None else aval
     axes = _axes_of(name, params)
     shape = tuple(aval.shape)
     dtype = np.dtype(aval.dtype).name
@@ -333,8 +374,9 @@ def _call(flat, plan: _Plan, position, collective: str, op: str = "sum"):
                                  topology=_col.default_topology(plan.n, plan.exec_platform), sub=sub)
 
 
-def _lower(ctx, body, *args):
-    """Lower ``body(*args, position)`` in place of the primitive.
+def _lower(ctx, body, *args, multiple_results: bool = False):
+    """Lower ``body(*args, position)`` in place of the primitive (``multiple_results``: ``body``
+    returns a list, one result per ``ctx.avals_out``; the block's next call waits for the first).
 
     ``position`` waits for the previous jax_blink call of the same block: XLA:CPU runs independent
     custom calls at once, in an order of its choosing per device, and calls that block for their
@@ -347,7 +389,7 @@ def _lower(ctx, body, *args):
     last = _chain.last(ctx)
     if not last:
         sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32])
-        outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+        outs = mlir.lower_fun(body, multiple_results=multiple_results)(sub, *args, position)
     elif _chains_on_cpu(ctx):
         def waiting(*operands):
             *xs, pos = operands[:len(args) + 1]
@@ -356,12 +398,13 @@ def _lower(ctx, body, *args):
             return body(*xs, pos)
 
         sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32, *(a for _, a in last)])
-        outs = mlir.lower_fun(waiting, multiple_results=False)(sub, *args, position, *(v for v, _ in last))
+        outs = mlir.lower_fun(waiting, multiple_results=multiple_results)(
+            sub, *args, position, *(v for v, _ in last))
     else:  # GPU: each device runs one program's thunks in one order, the barrier is enough
         sub = ctx.replace(primitive=None, avals_in=[*ctx.avals_in, i32])
         for prev, _ in last:
             position = _jx.optimization_barrier_after(position, prev)
-        outs = mlir.lower_fun(body, multiple_results=False)(sub, *args, position)
+        outs = mlir.lower_fun(body, multiple_results=multiple_results)(sub, *args, position)
     _chain.record(ctx, [(outs[0], ctx.avals_out[0])])
     return outs
 
@@ -378,6 +421,57 @@ def _emit_all_reduce(ctx, x, *, plan: _Plan, axes, **params):
         return _call(v.reshape(-1), plan, position, "allreduce", op).reshape(v.shape)
 
     return _lower(ctx, body, x)
+
+
+def _merged_rule(platform: str):
+    """The lowering of a merged run of all-reduces (:data:`jax_blink.merge.merged_all_reduce_p`):
+    per group of :func:`jax_blink.merge.merge_groups` (one dtype, at most ``MERGE_BYTES``), one
+    decision for the group as one flat operand of its total size (the dispatch table decides on the
+    merged size; a dtype the executors do not take goes to XLA as before), and then one jax_blink
+    call on the concatenated operands, split back to their shapes, or XLA's collective for each
+    operand as jax lowers it. A group of one operand is the switch's ordinary rule."""
+
+    def rule(ctx, *args, name, params):
+        params = dict(params)
+        prim = _jx.PRIMITIVES[name]
+        own = _saved.get((name, platform))
+        replaced = _jx.rule_of(own if own is not None else _jx.generic_rule(prim))
+        outs: list = [None] * len(args)
+
+        def one(i):  # operand i as jax's equation of its own would lower it
+            sub = ctx.replace(primitive=prim, avals_in=[ctx.avals_in[i]], avals_out=[ctx.avals_out[i]])
+            return sub, args[i]
+
+        for group in _merge.merge_groups(ctx.avals_in, _merge.MERGE_BYTES):
+            if len(group) == 1:
+                outs[group[0]], = _make_rule(name, platform, replaced)(*one(group[0]), **params)
+                continue
+            avals = [ctx.avals_in[i] for i in group]
+            sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
+            flat = jax.ShapeDtypeStruct((sum(sizes),), avals[0].dtype)
+            sub = ctx.replace(primitive=prim, avals_in=avals, avals_out=[ctx.avals_out[i] for i in group])
+            decision, plan = _decide(name, platform, sub, params, aval=flat)
+            with _lock:
+                _decisions.append(dataclasses.replace(decision, operands=len(group)))
+            if plan is None:
+                for i in group:
+                    outs[i], = replaced(*one(i), **params)
+                continue
+
+            def body(*operands, plan=plan, sizes=sizes, avals=avals):
+                *xs, position = operands
+                joined = jax.numpy.concatenate([x.reshape(-1) for x in xs])
+                reduced = _call(joined, plan, position, "allreduce", plan.op)
+                ends = np.cumsum(sizes)
+                return [lax.slice(reduced, (int(e - n),), (int(e),)).reshape(a.shape)
+                        for n, e, a in zip(sizes, ends, avals)]
+
+            for i, piece in zip(group, _lower(sub, body, *(args[i] for i in group), multiple_results=True)):
+                outs[i] = piece
+        return outs
+
+    rule.__name__ = "jax_blink_merged_all_reduce_lowering"
+    return rule
 
 
 def _emit_all_gather(ctx, x, *, plan: _Plan, all_gather_dimension, tiled, **params):

@@ -16,7 +16,8 @@ PACKAGE = ROOT / "jax_blink"
 CALL_PATH = ("jax_blink", "jax_blink._backends", "jax_blink.topology", "jax_blink.treegen",
              "jax_blink.schedule", "jax_blink.collectives", "jax_blink.options", "jax_blink.tuning",
              "jax_blink.chunk_cache", "jax_blink.distributed", "jax_blink.hierarchy",
-             "jax_blink.switch", "jax_blink._jax_internals", "jax_blink.buckets", "jax_blink.call_order")
+             "jax_blink.switch", "jax_blink._jax_internals", "jax_blink.buckets", "jax_blink.call_order",
+             "jax_blink.merge")
 # Above it: they may import the call path, never the other way round.
 TOOLS = ("jax_blink.bench", "jax_blink.autotune", "jax_blink.demo", "jax_blink.draw",
          "jax_blink.simulate", "jax_blink.__main__", "jax_blink._cli", "jax_blink.train")

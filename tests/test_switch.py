@@ -345,7 +345,8 @@ def test_pytree_of_several_dtypes_in_one_psum():
     fn = _smap(lambda t: lax.psum(t, "x"), mesh, (P("x"),), P())
     plain, switched, hlo, comms = _both(fn, tree)
     _assert_same(plain, switched)
-    assert hlo.count(TARGET) >= 3 and comms == 3
+    # One call per dtype: the two float32 leaves in one (tests/test_switch_merge.py), int32 in another.
+    assert hlo.count(TARGET) >= 2 and comms == 2
 
 
 def test_axis_index_groups_run_on_the_executor():

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_blink import buckets
+from jax_blink import buckets, merge
 from jax_blink.options import config, override
 
 pytest.importorskip("flax", reason="the train extra is not installed (pip install -e '.[train]')")
@@ -121,11 +121,14 @@ def test_psum_blink_and_switch_train_alike(model):
     for mode in modes:
         states[mode], losses[mode] = dp.run(mode, steps)
     # What each program runs: XLA's all-reduce (it may combine the buckets), or one jax_blink call
-    # per bucket, or nothing.
+    # per bucket, or the switch's merged calls (the buckets' psums are adjacent: one call per dtype
+    # up to merge.MERGE_BYTES, as XLA's combiner joins them), or nothing.
     count = {m: dp.collectives_in(m) for m in modes}
     assert count["psum"]["all-reduce"] >= 1 and count["psum"]["jax_blink"] == 0
-    for m in ("blink", "switch"):
-        assert count[m] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, (m, count[m])
+    assert count["blink"] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, count["blink"]
+    merged = merge.merge_groups([jax.ShapeDtypeStruct((b.size,), b.dtype) for b in dp.layout.buckets],
+                                merge.MERGE_BYTES)
+    assert count["switch"] == {"all-reduce": 0, "jax_blink": len(merged)}, count["switch"]
 
     for mode in ("blink", "switch"):
         np.testing.assert_allclose(losses[mode], losses["psum"], rtol=2e-5, err_msg=mode)
@@ -157,7 +160,8 @@ def test_cli_trains_and_writes_results(tmp_path, capsys):
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
     assert set(record["timing"]["modes"]) == {"psum", "switch", "none"}
-    assert record["timing"]["modes"]["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1
+    # The buckets' adjacent psums (float32, far below merge.MERGE_BYTES): one merged call.
+    assert record["timing"]["modes"]["switch"]["jax_blink_calls"] == 1 and len(record["buckets"]) > 1
     assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))
 
 

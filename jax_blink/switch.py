@@ -336,7 +336,7 @@ def _decide(name: str, platform: str, ctx, params: dict, aval=None) -> tuple[Dec
     if config.dispatch == "lax":
         return to_xla("dispatch=lax (JAX_BLINK_DISPATCH or jax_blink.config.dispatch)")
     kind = _device_kind(exec_platform)
-    if config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes, _KIND[name]):
+    if config.dispatch == "auto" and tuning.prefer_lax(kind, n, nbytes, _KIND[name], dtype=dtype):
         return to_xla(f"dispatch=auto: XLA's {_KIND[name]} was measured faster at {nbytes} bytes per "
                       f"rank on {n} x {kind} (jax_blink/tuning.py)")
     rank_of = np.full(mesh_size, -1, np.int32)

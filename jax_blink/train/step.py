@@ -58,7 +58,12 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
     if mode in ("psum", "switch"):
         return lambda buf: lax.psum(buf, axis)
     if mode == "blink" and stream is not None:
-        from jax.experimental.compute_on import compute_on2
+        try:
+            from jax.experimental.compute_on import compute_on2
+        except ImportError:
+            raise NotImplementedError(
+                f"stream= needs jax.experimental.compute_on.compute_on2, which jax {jax.__version__} does not "
+                "have (jax 0.10.2 does); run without a stream annotation") from None
         on_stream = compute_on2(lambda buf: all_reduce(buf, axis), compute_type=f"gpu_stream:{stream}",
                                 out_memory_spaces=jax.memory.Space.Device)
         return on_stream

@@ -159,3 +159,12 @@ def test_an_entry_per_dtype_refines_the_entry_for_every_dtype(tmp_path, monkeypa
     assert not tuning.prefer_lax("cpu", 2, K, dtype="bfloat16")  # the entry for every dtype
     assert not tuning.prefer_lax("cpu", 2, K, dtype="int32")
     assert tuning.prefer_lax("cpu", 2, K * K, dtype="int32")
+
+
+def test_a_near_tie_is_left_to_the_executor(tmp_path):
+    """lax wins a size only where ours took at least 5% longer (tuning.LAX_WINS_BELOW): closer is
+    within the runs' spread."""
+    run = _bench_json(tmp_path / "allreduce-t.json", "allreduce", 2, [
+        (K, "float32", 0.96), (4 * K, "float32", 0.94), (16 * K, "float32", 0.99)])
+    assert tuning.LAX_WINS_BELOW == 0.95
+    assert tuning.derive([run]).lax_ranges == ((2 * K, 8 * K),)

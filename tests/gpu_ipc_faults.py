@@ -150,6 +150,10 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_ipc_selftest import _gpu_count
 
+    if _gpu_count() == 0:
+        print("python tests/gpu_ipc_faults.py: error: needs a CUDA GPU (nvidia-smi lists none); "
+              "tests/test_cuda_ipc.py skips without one", file=sys.stderr)
+        return 2
     distinct = _gpu_count() >= 2 and "--shared" not in sys.argv
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -242,10 +242,26 @@ def main() -> int:
         r = child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "distinct")
         print("RESULT " + json.dumps(r), flush=True)
         return 0 if r["ok"] else 1
-    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python tests/gpu_ipc_selftest.py",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shared", action="store_true",
+                    help="both processes on GPU 0 even where there are two GPUs")
+    ap.add_argument("--out", metavar="JSON", help="write the summary here")
+    ap.add_argument("--bench-out", metavar="JSON",
+                    help="write the timings (two GPUs) as a bench result for python -m jax_blink crossover")
+    args = ap.parse_args()
+    for path in (args.out, args.bench_out):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            ap.error(f"no folder {folder!r} to write {path!r} in")
+    if _gpu_count() == 0:
+        ap.error("needs a CUDA GPU (nvidia-smi lists none); tests/test_cuda_ipc.py skips without one")
+    out = args.out
     # With two GPUs each process takes its own (one process per GPU, as launchers run jobs);
     # with one, both share GPU 0. --shared forces the shared layout.
-    distinct = _gpu_count() >= 2 and "--shared" not in sys.argv
+    distinct = _gpu_count() >= 2 and not args.shared
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -270,8 +286,8 @@ def main() -> int:
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
-    if "--bench-out" in sys.argv and distinct:
-        _write_bench_json(sys.argv[sys.argv.index("--bench-out") + 1], results)
+    if args.bench_out and distinct:
+        _write_bench_json(args.bench_out, results)
     return 0 if summary["ok"] else 1
 
 

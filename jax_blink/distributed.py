@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from . import _backends
+from .options import env_value
 
 _KEY = "jax_blink/job_key"
 _HOST_KEY = "jax_blink/host/{}"
@@ -164,16 +165,7 @@ def processes_per_host() -> int | None:
     """:func:`set_processes_per_host`'s value, else ``JAX_BLINK_PROCESSES_PER_HOST``, else None."""
     if _processes_per_host is not None:
         return _processes_per_host
-    raw = os.environ.get("JAX_BLINK_PROCESSES_PER_HOST", "").strip()
-    if not raw:
-        return None
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(f"JAX_BLINK_PROCESSES_PER_HOST={raw!r} must be a positive integer; fix or unset it")
-    return k
+    return env_value("JAX_BLINK_PROCESSES_PER_HOST", _positive_int, "a positive integer")
 
 
 @functools.cache
@@ -226,15 +218,21 @@ def setup_timeout_s() -> float:
     """The budget of a communicator's set-up (its first call), in which every process must reach
     it: ``JAX_BLINK_SETUP_TIMEOUT_S``, default :data:`DEFAULT_SETUP_TIMEOUT_S` (processes compile
     and start at different times, so this is longer than a call's budget)."""
-    raw = os.environ.get("JAX_BLINK_SETUP_TIMEOUT_S", "").strip()
-    if not raw:
-        return DEFAULT_SETUP_TIMEOUT_S
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
-    if not 0 < v <= 3600:
-        raise ValueError(f"JAX_BLINK_SETUP_TIMEOUT_S={raw!r} must be a number of seconds in (0, 3600]; fix or unset it")
+    return env_value("JAX_BLINK_SETUP_TIMEOUT_S", _setup_seconds, "a number of seconds in (0, 3600]",
+                     DEFAULT_SETUP_TIMEOUT_S)
+
+
+def _positive_int(text: str) -> int:
+    k = int(text)
+    if k < 1:
+        raise ValueError("not a positive integer")
+    return k
+
+
+def _setup_seconds(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 3600:  # (also NaN)
+        raise ValueError("not in (0, 3600]")
     return v
 
 

@@ -215,19 +215,28 @@ def _warn_unknown_environment(environ=None) -> None:
                   RuntimeWarning, stacklevel=2)
 
 
+def env_value(name: str, parse, takes: str, default=None, environ=None):
+    """The ``JAX_BLINK_*`` variable ``name`` through ``parse`` (unset or empty: ``default``); a
+    value ``parse`` refuses (TypeError, ValueError) is a ValueError naming the variable and what it
+    takes. The one reader of such variables in Python, for the options and for the others."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(name, "").strip()
+    if not text:  # an empty variable counts as unset, as the CUDA executor reads its own
+        return default
+    try:
+        return parse(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}={environ[name]!r} in the environment: {e}; {name} takes {takes}") from None
+
+
 def _from_env(environ=None) -> Options:
     """The options as the ``JAX_BLINK_*`` variables of ``environ`` (default ``os.environ``) set
     them; ValueError naming the variable for a value its option does not take."""
-    environ = os.environ if environ is None else environ
     o = Options()
     for name, (field, parse, takes) in _ENV_OPTIONS.items():
-        text = environ.get(name, "").strip()
-        if not text:  # an empty variable counts as unset, as the CUDA executor reads its own
-            continue
-        try:
+        def assign(text: str, field=field, parse=parse) -> None:  # the field's own check counts too
             setattr(o, field, parse(text))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{name}={environ[name]!r} in the environment: {e}; {name} takes {takes}") from None
+        env_value(name, assign, takes, environ=environ)
     return o
 
 

@@ -94,6 +94,7 @@
 #include <vector>
 
 #include "cpu_reduce.h"
+#include "ffi_binding.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -729,16 +730,4 @@ const char* Version() { return "jax_blink CPU executor 0.1.0 (program format v1)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCpu, jax_blink::cpu::Execute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::RunId>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("program")
-                                  .Attr<int32_t>("op")
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  // Blink's hybrid transfer share (the CUDA executor's host
-                                  // channel): accepted and ignored. On CPU host devices all memory
-                                  // is host memory; there is no second channel.
-                                  .Attr<float>("host_share"));
+                                  .Ctx<xla::ffi::RunId>() JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS);

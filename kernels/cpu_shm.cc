@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "cpu_reduce.h"
+#include "ffi_binding.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -726,19 +727,8 @@ std::vector<std::string> LinkedSegments() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveShm, jax_blink::shm::Execute,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("program")
-                                  .Attr<int32_t>("op")
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<float>("host_share")
-                                  .Attr<xla::ffi::Span<const int32_t>>("rank_process")
-                                  .Attr<xla::ffi::Span<const int32_t>>("rank_device")
-                                  .Attr<int64_t>("setup_timeout_ms"));
+                                  .Ctx<xla::ffi::DeviceOrdinal>() JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
+                                      JAX_BLINK_PROCESS_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkAfterCpu, jax_blink::shm::After,
                               xla::ffi::Ffi::Bind()

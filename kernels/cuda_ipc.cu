@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "device_sync.cuh"
+#include "ffi_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -586,16 +587,5 @@ void ReleaseAll() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveIpc, jax_blink::cuda_ipc::Execute,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("program")
-                                  .Attr<int32_t>("op")
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<float>("host_share")
-                                  .Attr<xla::ffi::Span<const int32_t>>("rank_process")
-                                  .Attr<xla::ffi::Span<const int32_t>>("rank_device")
-                                  .Attr<int64_t>("setup_timeout_ms"));
+                                  .Ctx<xla::ffi::DeviceOrdinal>() JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
+                                      JAX_BLINK_PROCESS_ATTRS);

@@ -46,6 +46,7 @@
 
 #include "cuda_executor.h"
 #include "cuda_ipc.h"
+#include "ffi_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -325,39 +326,17 @@ ffi::Error NoOpMin(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBu
 
 }  // namespace
 
-#define JAX_BLINK_BINDING                                  \
-  xla::ffi::Ffi::Bind()                                    \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
-      .Ctx<xla::ffi::DeviceOrdinal>()                      \
-      .Arg<xla::ffi::AnyBuffer>()                          \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
-      .Ret<xla::ffi::AnyBuffer>()                          \
-      .Attr<xla::ffi::Span<const int32_t>>("program")      \
-      .Attr<int32_t>("op")                                 \
-      .Attr<int64_t>("comm_id")                            \
-      .Attr<int64_t>("timeout_ms")                         \
-      .Attr<float>("host_share")
+#define JAX_BLINK_GPU_CONTEXTS \
+  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>().Ctx<xla::ffi::DeviceOrdinal>()
+
+#define JAX_BLINK_BINDING JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
 
 // The light binding: what a call site fixes is registered by comm_id (register_call_site).
-#define JAX_BLINK_LITE_BINDING                             \
-  xla::ffi::Ffi::Bind()                                    \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
-      .Ctx<xla::ffi::DeviceOrdinal>()                      \
-      .Arg<xla::ffi::AnyBuffer>()                          \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              \
-      .Ret<xla::ffi::AnyBuffer>()                          \
-      .Attr<int64_t>("comm_id")
+#define JAX_BLINK_LITE_BINDING JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS.Attr<int64_t>("comm_id")
 
 // A measuring stick only: the light binding less the rank and group operands.
-#define JAX_BLINK_MIN_BINDING                              \
-  xla::ffi::Ffi::Bind()                                    \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       \
-      .Ctx<xla::ffi::DeviceOrdinal>()                      \
-      .Arg<xla::ffi::AnyBuffer>()                          \
-      .Ret<xla::ffi::AnyBuffer>()                          \
-      .Attr<int64_t>("comm_id")
+#define JAX_BLINK_MIN_BINDING \
+  JAX_BLINK_GPU_CONTEXTS.Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Attr<int64_t>("comm_id")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveLiteCuda, ExecuteLiteDefault, JAX_BLINK_LITE_BINDING);

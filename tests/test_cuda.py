@@ -302,12 +302,20 @@ def test_module_api():
 
 
 # One GPU: a one-rank program is the identity for every collective; the executor runs it as a
-# plain copy (one_rank_kernel; nothing at all when the result aliases the operand).
-@pytest.mark.parametrize("target", [TARGET, "jax_blink_collective_cb"])
+# plain copy (one_rank_kernel; nothing at all when the result aliases the operand). Through every
+# handler: the full binding (plain, command-buffer) and the light one (its call sites registered
+# first, as jax_blink's lowering does).
+_LITE = ("jax_blink_collective_lite", "jax_blink_collective_lite_cb")
+
+
+@pytest.mark.parametrize("target", [TARGET, "jax_blink_collective_cb", *_LITE])
 @pytest.mark.parametrize("alias", [False, True])
 @pytest.mark.parametrize("dtype,n", [("float32", 256), ("bfloat16", 1001), ("int32", 77), ("float32", 300_003)])
 def test_one_rank_chain_is_the_identity(target, alias, dtype, n):
     _register()
+    from jax_blink import _backends
+    if target in _LITE:
+        assert _backends.register("gpu")
     rng = np.random.default_rng(n)
     if jnp.dtype(dtype).kind in "iu":
         x = jnp.asarray(rng.integers(-10**6, 10**6, size=n), dtype=dtype)
@@ -319,8 +327,13 @@ def test_one_rank_chain_is_the_identity(target, alias, dtype, n):
 
     def chain(v):
         for _ in range(6):  # with XLA's command buffers, a chain this long is captured
-            v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
-                     comm_id=np.int64(next(_ids)), timeout_ms=np.int64(10_000), host_share=np.float32(0))
+            cid = next(_ids)
+            if target in _LITE:
+                _backends.register_call_site("gpu", cid, [int(w) for w in program], 0, 10_000, 0.0)
+                v = call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
+            else:
+                v = call(v, jnp.int32(0), jnp.int32(0), program=program, op=np.int32(0),
+                         comm_id=np.int64(cid), timeout_ms=np.int64(10_000), host_share=np.float32(0))
         return v
 
     f = jax.jit(chain)

@@ -75,34 +75,8 @@ def test_full_binding_variable_is_checked(monkeypatch):
     assert collectives._light_binding("gpu") == _backends.has_call_sites("gpu")
 
 
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("target", [_backends.TARGET_LITE, _backends.TARGET_LITE_CB])
-@pytest.mark.parametrize("alias", [False, True])
-@pytest.mark.parametrize("dtype,n", [("float32", 256), ("bfloat16", 1001), ("int32", 77), ("float32", 300_003)])
-def test_one_rank_chain_through_the_light_binding_is_the_identity(target, alias, dtype, n):
-    _register()
-    rng = np.random.default_rng(n)
-    if jnp.dtype(dtype).kind in "iu":
-        x = jnp.asarray(rng.integers(-10**6, 10**6, size=n), dtype=dtype)
-    else:
-        x = jnp.asarray(rng.standard_normal(n), dtype=dtype)
-    prog = _one_rank_program(n)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            input_output_aliases={0: 0} if alias else None)
-
-    def chain(v):
-        for _ in range(6):  # with XLA's command buffers, a chain this long is captured
-            cid = next(_ids)
-            _backends.register_call_site("gpu", cid, prog, 0, 10_000, 0.0)
-            v = call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid))
-        return v
-
-    f = jax.jit(chain)
-    for _ in range(3):  # the first run sets the sites up; the later ones replay
-        got = np.asarray(f(x))
-        assert got.tobytes() == np.asarray(x).tobytes(), (target, alias, dtype, n)
-    _blink_cuda.check()
+# The light handlers' one-rank chains: tests/test_cuda.py::test_one_rank_chain_is_the_identity
+# runs them beside the full binding's.
 
 
 @needs_gpu

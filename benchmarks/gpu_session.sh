@@ -12,6 +12,10 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench "
+for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
+  [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
+done
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -33,7 +33,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import xla_call_overhead as probe  # noqa: E402  (the chains being profiled)
 
-from jax_blink import _backends  # noqa: E402
+from jax_blink.lowering import backends as _backends  # noqa: E402
 
 _MEMCPY = re.compile(r"memcpy|memset", re.I)
 

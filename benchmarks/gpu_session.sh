@@ -6,7 +6,7 @@
 # Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
-# Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.bench), ST_MODES and ST_BENCH_ARGS
+# Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
 set -uo pipefail
@@ -70,7 +70,7 @@ for step in $STEPS; do
       ST=${ST_BIN:-/tmp/selftest} timeout 400 bash benchmarks/hybrid_sweep.sh 2>&1 | tee "$OUT/hybrid.log" | tail -30 ;;
     ce)  # the copy-engine host channel through XLA, 256 MiB-1 GiB (NOTES.md change 4)
       log ce
-      JAX_BLINK_HOST_ENGINE=ce timeout 300 python3 -m jax_blink.bench -b 256M -e 1G -f 4 -d float32 --slope 60 \
+      JAX_BLINK_HOST_ENGINE=ce timeout 300 python3 -m jax_blink.tools.bench -b 256M -e 1G -f 4 -d float32 --slope 60 \
         -o "$OUT/ce" 2>&1 | tee "$OUT/ce.log" | tail -6 ;;
     overhead)  # issue 17: marginal cost per call of every row (bindings, handlers), XLA's command buffers on
       # (default) and off, each in two processes (the XLA op's own marginal moved between processes by
@@ -97,9 +97,9 @@ for step in $STEPS; do
           # the timing again with the old grid cap (64 blocks) beside the default (one per SM)
       log ipc
       kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')
-      IPC_SELFTEST_PROFILE=1 timeout 300 python3 tests/gpu_ipc_selftest.py --out "$OUT/ipc-selftest.json" \
+      IPC_SELFTEST_PROFILE=1 timeout 300 python3 tests/helpers/gpu_ipc_selftest.py --out "$OUT/ipc-selftest.json" \
         --bench-out "$OUT/allreduce-ipc-$kind-$(date -u +%F).json" > "$OUT/ipc.log" 2>&1; echo "ipc selftest rc=$?"
-      JAX_BLINK_IPC_BLOCKS=64 IPC_SELFTEST_TIMING=only timeout 200 python3 tests/gpu_ipc_selftest.py \
+      JAX_BLINK_IPC_BLOCKS=64 IPC_SELFTEST_TIMING=only timeout 200 python3 tests/helpers/gpu_ipc_selftest.py \
         --out "$OUT/ipc-timing-64-blocks.json" > "$OUT/ipc-64.log" 2>&1; echo "ipc 64 blocks rc=$?"
       python3 - "$OUT" <<'PY'
 import json, sys
@@ -116,6 +116,6 @@ PY
       ;;
     bench)
       log bench
-      timeout 500 python3 -m jax_blink.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+      timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""The cost model of all-reduce over k hosts (jax_blink.simulate.model_times_us).
+"""The cost model of all-reduce over k hosts (jax_blink.tools.simulate.model_times_us).
 
 Blink's three phases (trees inside the host, a ring among hosts of each GPU's piece over its own
 NIC) against NCCL's flat rings over all GPUs and NCCL-style hierarchical rings, for 2 to 16 hosts,
@@ -16,8 +16,8 @@ import argparse
 import csv
 from pathlib import Path
 
-from jax_blink.simulate import model_times_us
-from jax_blink.topology import Topology
+from jax_blink.tools.simulate import model_times_us
+from jax_blink.planning.topology import Topology
 
 HOSTS = (2, 4, 8, 16)
 NET_GBPS = (25.0, 50.0, 100.0)
@@ -56,7 +56,7 @@ def main() -> None:
             table.append(f"| {r['inside']} | {r['hosts']} | {r['net_gbps_per_gpu']:g} | {r['blink_3phase_us'] / 1e3:.2f} | "
                          f"{r['nccl_hier_rings_us'] / 1e3:.2f} | {r['flat_ring_us'] / 1e3:.2f} | "
                          f"{r['speedup_vs_hier_rings']:.2f}x | {r['speedup_vs_flat_ring']:.2f}x |")
-    text = ("All-reduce of 256 MiB per GPU over k hosts (model: jax_blink.simulate.model_times_us)\n\n"
+    text = ("All-reduce of 256 MiB per GPU over k hosts (model: jax_blink.tools.simulate.model_times_us)\n\n"
             + "\n".join(table) + "\n")
     out.with_suffix(".md").write_text(text)
     print(text)

@@ -1,7 +1,7 @@
 """The Blink paper's comparison (MLSys 2020, Figs. 11-12), reproduced through the model.
 
 Walks every allocation of 3 to 8 GPUs of a DGX-1V (and a DGX-1P), plans broadcast, reduce and
-all-reduce with jax_blink's tree packing, builds NCCL's rings (jax_blink.simulate.rings) and
+all-reduce with jax_blink's tree packing, builds NCCL's rings (jax_blink.tools.simulate.rings) and
 compares them:
 
 * at the rate level: algorithm bandwidth (GB/s of data per device) of the trees against the rings
@@ -12,7 +12,7 @@ Allocations whose NVLinks do not connect all their GPUs (e.g. {0, 5, 6}... any a
 that has no NVLink to the others) are SKIPPED: the trees are planned over NVLink only (the presets
 without PCIe, as in the paper's comparison) and such allocations have no NVLink plan. Connected
 allocations whose NVLinks hold no Hamiltonian ring are kept: NCCL runs them over one PCIe ring at
-10 GB/s (jax_blink.simulate.MODEL), which is where the paper's largest speedups come from.
+10 GB/s (jax_blink.tools.simulate.MODEL), which is where the paper's largest speedups come from.
 
 Roots: broadcast and reduce from the lowest device id of the allocation; all-reduce lets the
 planner choose its roots.
@@ -37,9 +37,9 @@ import networkx as nx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_blink.simulate import MODEL, compare  # noqa: E402
-from jax_blink.topology import Topology  # noqa: E402
-from jax_blink.treegen import plan as make_plan  # noqa: E402
+from jax_blink.tools.simulate import MODEL, compare  # noqa: E402
+from jax_blink.planning.topology import Topology  # noqa: E402
+from jax_blink.planning.packing import plan as make_plan  # noqa: E402
 
 DATE = "2026-11-22"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     summary = [f"# Blink's trees against NCCL's rings, through the model ({DATE}, CPU only)", "",
                "Produced by `PYTHONPATH=. python benchmarks/paper_comparison.py` (no GPU: planner + "
-               "`jax_blink.simulate`). Trees are planned over NVLink only; NCCL's baseline is as many "
+               "`jax_blink.tools.simulate`). Trees are planned over NVLink only; NCCL's baseline is as many "
                "link-disjoint NVLink rings as the allocation holds, else one PCIe ring at "
                f"{MODEL['pcie_ring_gbps']:g} GB/s. Broadcast/reduce from the lowest GPU of the allocation. "
                f"Per-hop latency (us): {MODEL['alpha_us']}.", ""]

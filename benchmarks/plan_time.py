@@ -15,8 +15,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jax_blink import treegen  # noqa: E402
-from jax_blink.topology import Topology  # noqa: E402
+from jax_blink.planning import packing as treegen  # noqa: E402
+from jax_blink.planning.topology import Topology  # noqa: E402
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce")
 

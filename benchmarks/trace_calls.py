@@ -22,7 +22,8 @@ from jax.profiler import ProfileData
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
-from jax_blink.bench import _chained, parse_size
+from jax_blink.tools.bench import parse_size
+from jax_blink.tools.timing import chained as _chained
 
 
 def _kernels(path: str, patterns: tuple[str, ...]) -> dict[str, list[tuple[float, float]]]:

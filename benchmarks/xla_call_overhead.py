@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_blink import _backends, schedule
-from jax_blink.bench import interleaved_times
+from jax_blink.lowering import backends as _backends
+from jax_blink.planning import schedule
+from jax_blink.tools.timing import interleaved_times
 
 _IDS = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
 

@@ -4,8 +4,8 @@
     python examples/train_gpt2.py --size full --steps 50 --collective blink     # GPUs
 
 Parameters replicated, the batch split over the mesh axis "data" (``jax.shard_map``), each
-device's gradients summed over the axis in DDP-style buckets (:mod:`jax_blink.buckets`) by
-``jax_blink.all_reduce`` (or ``lax.psum``). ``python -m jax_blink.train`` is the same with timing.
+device's gradients summed over the axis in DDP-style buckets (:mod:`jax_blink.api.buckets`) by
+``jax_blink.all_reduce`` (or ``lax.psum``). ``python -m jax_blink.tools.train`` is the same with timing.
 Needs the train extra: ``pip install -e ".[train]"``.
 """
 import argparse
@@ -22,9 +22,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink.buckets import BucketLayout, bucketed  # noqa: E402
-from jax_blink.train.data import token_batches  # noqa: E402
-from jax_blink.train.models import GPT2, SIZES, gpt2_loss  # noqa: E402
+from jax_blink.api.buckets import BucketLayout, bucketed  # noqa: E402
+from jax_blink.tools.train.data import token_batches  # noqa: E402
+from jax_blink.tools.train.models import GPT2, SIZES, gpt2_loss  # noqa: E402
 
 
 def main(argv=None) -> None:

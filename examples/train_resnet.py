@@ -21,9 +21,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_blink  # noqa: E402
-from jax_blink.buckets import BucketLayout, bucketed  # noqa: E402
-from jax_blink.train.data import image_batches  # noqa: E402
-from jax_blink.train.models import SIZES, ResNet, resnet_loss  # noqa: E402
+from jax_blink.api.buckets import BucketLayout, bucketed  # noqa: E402
+from jax_blink.tools.train.data import image_batches  # noqa: E402
+from jax_blink.tools.train.models import SIZES, ResNet, resnet_loss  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -4,24 +4,31 @@ Probe the links between the devices of a mesh axis, pack spanning trees into tha
 OR-Tools at trace time, and run them as an XLA custom call::
 
     out = jax_blink.all_reduce(x, "data")   # where you wrote lax.psum(x, "data")
+
+The package is built in layers, each importing only the layers below it:
+``options`` (settings and the environment) < ``planning`` (topology, tree packing, schedule; no
+JAX) < ``lowering`` (dispatch, the custom call, processes and hosts) < ``switch`` (lax collectives
+of unedited programs) < ``api`` (the public calls) < ``tools`` (command line, bench, pictures,
+training; imported by nothing in the library).
 """
-from .collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast, check,
-                          explain, reduce, reduce_scatter)
-from .call_order import register as _register_call_order
-from .options import config
-from .switch import explain_lowering, install, installed, is_installed, switch_report, uninstall
-from .topology import Topology
-from .treegen import Plan, plan
+from jax_blink.api.collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast,
+                                       check, check_environment, reduce, reduce_scatter, reset)
+from jax_blink.api.explain import explain
+from jax_blink.lowering.call_order import register as _register_call_order
+from jax_blink.options import config
+from jax_blink.planning.packing import Plan, plan
+from jax_blink.planning.topology import Topology
+from jax_blink.switch import explain_lowering, install, installed, is_installed, switch_report, uninstall
 
 __version__ = "0.1.0"
 
 # On CPU, loops, conds and nested jits that hold jax_blink calls join the chain of the calls
-# around them (jax_blink/call_order.py): lowering rules in force while jax_blink is imported.
+# around them (jax_blink/lowering/call_order.py): lowering rules in force while jax_blink is imported.
 _register_call_order()
 
 __all__ = [
     "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "backends", "broadcast",
-    "check", "config", "explain", "plan", "reduce", "reduce_scatter",
-    # the switch (jax_blink/switch.py): lax collectives of unedited programs on jax_blink
+    "check", "check_environment", "config", "explain", "plan", "reduce", "reduce_scatter", "reset",
+    # the switch (jax_blink/switch/): lax collectives of unedited programs on jax_blink
     "explain_lowering", "install", "installed", "is_installed", "switch_report", "uninstall",
 ]

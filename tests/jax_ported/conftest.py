@@ -1,6 +1,6 @@
 """Runs JAX's own test cases twice, without jax_blink's switch and with it, and compares.
 
-Collected only when ``JAX_BLINK_PORTED=1`` (tests/test_switch_ported.py sets it and picks the
+Collected only when ``JAX_BLINK_PORTED=1`` (tests/unit/test_switch_ported.py sets it and picks the
 cases); the normal test run ignores this folder. Each selected test method runs once as jax's
 test suite runs it, then again inside ``jax_blink.installed()`` with ``dispatch="blink"`` (so that
 every collective jax_blink can run does run on it, whatever the size). The test passes when both
@@ -42,7 +42,7 @@ def _ending(fn) -> tuple[str, str]:
 def _twin(test_id: str, method):
     def run_twice(self):
         import jax_blink
-        from jax_blink import _backends
+        from jax_blink.lowering import backends as _backends
         from jax_blink.options import override
 
         plain = _ending(lambda: method(self))

@@ -1,5 +1,5 @@
 # Copied unchanged from jax v0.10.2 (https://github.com/jax-ml/jax/blob/jax-v0.10.2/tests/pmap_test.py), the
-# version installed here, for tests/test_switch_ported.py: it runs selected cases with and without
+# version installed here, for tests/unit/test_switch_ported.py: it runs selected cases with and without
 # jax_blink's switch (tests/jax_ported/conftest.py). Not collected by the normal test run.
 # Copyright 2018 The JAX Authors.
 #

@@ -2,7 +2,7 @@
 # https://github.com/jax-ml/jax/blob/jax-v0.10.2/docs/notebooks/shard_map.py, lines 1275-1537: data
 # parallelism, FSDP, tensor parallelism, FSDP + TP), unchanged, after the notebook's set-up lines that
 # it relies on (lines 47-48, 55-60, 86, 108). Random data, as in the notebook.
-# tests/test_switch_ported.py runs it with and without jax_blink's switch.
+# tests/unit/test_switch_ported.py runs it with and without jax_blink's switch.
 import os
 os.environ["XLA_FLAGS"] = '--xla_force_host_platform_device_count=8' # Use 8 CPU devices
 from functools import partial

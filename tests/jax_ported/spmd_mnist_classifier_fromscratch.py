@@ -1,7 +1,7 @@
 # Copied unchanged from the jax repository, examples/spmd_mnist_classifier_fromscratch.py at commit
 # ba557d5e1b (its last pmap version; https://github.com/jax-ml/jax/blob/ba557d5e1b/examples/spmd_mnist_classifier_fromscratch.py).
 # examples/datasets.py next to it gives synthetic data in place of the MNIST download.
-# tests/test_switch_ported.py runs it with and without jax_blink's switch.
+# tests/unit/test_switch_ported.py runs it with and without jax_blink's switch.
 # Copyright 2018 The JAX Authors.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");

@@ -1,0 +1,186 @@
+"""Gradient buckets: a pytree of arrays packed into a few flat buffers, the way PyTorch's
+DistributedDataParallel packs gradients, so that each all-reduce moves many bytes at once.
+
+    layout = BucketLayout.of(grads, bucket_bytes=25 << 20)
+    grads = bucketed_all_reduce(grads, "data", layout=layout)      # one call per bucket
+    print(layout.describe())                                        # which leaf went where
+
+The assignment is DDP's (``torch.distributed``'s ``compute_bucket_assignment_by_size``): leaves
+in reverse order (DDP walks ``model.parameters()`` backwards, the order gradients become ready),
+one open bucket per dtype, a leaf is never split, and a bucket is closed as soon as it holds at
+least its cap; the first bucket's cap is smaller (DDP: 1 MiB), so that the first all-reduce can
+start early.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one leaf of the tree lies in its bucket."""
+
+    leaf: int           # index in the tree's leaf order
+    path: str           # the leaf's key path, for people
+    shape: tuple[int, ...]
+    offset: int         # first element in the bucket
+    size: int           # number of elements
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    dtype: np.dtype
+    slots: tuple[Slot, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """Which leaf of a pytree goes into which flat buffer (see the module's docstring)."""
+
+    treedef: Any
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    first_bucket_bytes: int
+
+    @classmethod
+    def of(cls, tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+           first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES) -> "BucketLayout":
+        """The layout of ``tree`` (arrays or anything with ``shape`` and ``dtype``, e.g.
+        ``jax.ShapeDtypeStruct``); ``first_bucket_bytes=None`` gives every bucket the same cap."""
+        if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+        first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
+        if first < 1:
+            raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if not with_paths:
+            raise ValueError("BucketLayout.of: the tree has no leaves")
+        closed: list[Bucket] = []
+        open_: dict[np.dtype, list[Slot]] = {}
+        for i in reversed(range(len(with_paths))):
+            path, leaf = with_paths[i]
+            dtype = np.dtype(leaf.dtype)
+            slots = open_.setdefault(dtype, [])
+            offset = sum(s.size for s in slots)
+            size = int(np.prod(leaf.shape, dtype=np.int64))
+            slots.append(Slot(i, jax.tree_util.keystr(path), tuple(leaf.shape), offset, size))
+            cap = first if not closed else bucket_bytes
+            if (offset + size) * dtype.itemsize >= cap:
+                closed.append(Bucket(dtype, tuple(slots)))
+                del open_[dtype]
+        closed += [Bucket(d, tuple(s)) for d, s in open_.items()]
+        return cls(treedef, tuple(closed), int(bucket_bytes), int(first))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def pack(self, tree) -> list[jax.Array]:
+        """The tree's leaves as one flat array per bucket."""
+        leaves = self._leaves(tree)
+        return [jnp.concatenate([jnp.ravel(leaves[s.leaf]) for s in b.slots]) if len(b.slots) > 1
+                else jnp.ravel(leaves[b.slots[0].leaf]) for b in self.buckets]
+
+    def unpack(self, buffers) -> Any:
+        """The inverse of :meth:`pack`."""
+        if len(buffers) != len(self.buckets):
+            raise ValueError(f"expected {len(self.buckets)} buffers, got {len(buffers)}")
+        leaves: list = [None] * self.treedef.num_leaves
+        for b, buf in zip(self.buckets, buffers):
+            for s in b.slots:
+                leaves[s.leaf] = buf[s.offset:s.offset + s.size].reshape(s.shape)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _leaves(self, tree) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"tree does not match the layout's structure:\n  {treedef}\nvs\n  {self.treedef}")
+        for b in self.buckets:
+            for s in b.slots:
+                leaf = leaves[s.leaf]
+                if tuple(leaf.shape) != s.shape or np.dtype(leaf.dtype) != b.dtype:
+                    raise ValueError(f"leaf {s.path} is {leaf.dtype}{list(leaf.shape)}, the layout "
+                                     f"has {b.dtype}{list(s.shape)}")
+        return leaves
+
+    def describe(self) -> str:
+        """One line per bucket: its size, dtype, leaf count and first and last leaves."""
+        lines = [f"{len(self.buckets)} bucket(s), {_fmt_bytes(self.nbytes)} in all, {self.treedef.num_leaves} "
+                 f"leaves (cap {_fmt_bytes(self.bucket_bytes)}, first bucket {_fmt_bytes(self.first_bucket_bytes)}; "
+                 "leaves in reverse order, as DDP)"]
+        for i, b in enumerate(self.buckets):
+            first, last = b.slots[0].path, b.slots[-1].path
+            span = first if len(b.slots) == 1 else f"{first} .. {last}"
+            lines.append(f"  bucket {i}: {_fmt_bytes(b.nbytes):>10} {b.dtype.name:>8} {b.size:>11} elements, "
+                         f"{len(b.slots):>3} leaves: {span}")
+        return "\n".join(lines)
+
+    def explain(self, topology, **kwargs) -> str:
+        """``jax_blink.explain`` of each bucket's all-reduce on ``topology`` (keyword arguments go
+        to it)."""
+        from jax_blink.api.collectives import explain
+        parts = []
+        for i, b in enumerate(self.buckets):
+            parts.append(f"--- bucket {i}: all-reduce of {_fmt_bytes(b.nbytes)} ({b.dtype.name})\n"
+                         + explain(topology, b.nbytes, "allreduce", dtype=b.dtype, **kwargs))
+        return "\n".join(parts)
+
+
+def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
+             layout: BucketLayout | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             ordered: bool = False):
+    """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer).
+
+    ``ordered``: each bucket's call waits for the previous one's result, so that every device runs
+    them in bucket order. jax_blink's calls need it: they block until their peers arrive, and
+    XLA:CPU may run independent calls at once in an order of its choosing per device, which can
+    leave two devices waiting on each other. On CPU the wait is the executor's ``jax_blink_after``
+    call (XLA:CPU's compiler removes ``optimization_barrier``s); elsewhere a barrier."""
+    layout = layout or BucketLayout.of(tree, bucket_bytes)
+    outs: list[jax.Array] = []
+    for buf in layout.pack(tree):
+        if ordered and outs:
+            buf = _wait_for(buf, outs[-1])
+        outs.append(reduce_bucket(buf))
+    return layout.unpack(outs)
+
+
+def _wait_for(buf: jax.Array, prev: jax.Array) -> jax.Array:
+    """``buf``, computed only once ``prev`` exists, in a way the compiled program keeps."""
+    from jax_blink.lowering import backends as _backends
+    from jax_blink.lowering import processes as distributed
+    if distributed._platform_of(buf) == "cpu" and _backends.register("cpu"):
+        return distributed.after(buf, prev.reshape(-1)[:1])
+    return jax.lax.optimization_barrier((buf, prev))[0]
+
+
+def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, **kwargs):
+    """``jax_blink.all_reduce`` (sum) of every leaf of ``tree``, one call per bucket, in bucket
+    order; keyword arguments go to :func:`jax_blink.all_reduce`."""
+    from jax_blink.api.collectives import all_reduce
+    return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
+                    ordered=True)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,117 @@
+"""The compiled executors: finding them and registering their FFI handlers with XLA, once."""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+
+TARGET = "jax_blink_collective"
+#: The same collective through a handler that claims XLA's command-buffer trait, so that XLA may
+#: capture it in a CUDA graph with its neighbours (``config.command_buffers``). On CPU it is the
+#: plain handler under a second name.
+TARGET_CB = "jax_blink_collective_cb"
+#: Where the executor has it (CUDA): the same binding doing nothing, to measure XLA's price of a call.
+TARGET_NOOP = "jax_blink_noop"
+#: The same with one operand, one result and no attributes: the binding's share of that price.
+TARGET_NOOP_BARE = "jax_blink_noop_bare"
+
+#: CUDA: the collective through the light binding (operand, rank, group and the ``comm_id``
+#: attribute alone); what the call site fixes is registered first (:func:`register_call_site`).
+TARGET_LITE = "jax_blink_collective_lite"
+#: The same through the handler that claims the command-buffer trait.
+TARGET_LITE_CB = "jax_blink_collective_lite_cb"
+#: Measuring sticks (CUDA): the light binding doing nothing, and the same without rank and group.
+TARGET_NOOP_LITE = "jax_blink_noop_lite"
+TARGET_NOOP_MIN = "jax_blink_noop_min"
+
+#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
+TARGET_MP = "jax_blink_collective_mp"
+#: GPU: every collective across processes through CUDA IPC (kernels/cuda_ipc.h).
+TARGET_IPC = "jax_blink_collective_ipc"
+#: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
+TARGET_AFTER = "jax_blink_after"
+
+# XLA's platform names for the handlers of each compiled module.
+_MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
+
+
+@functools.cache
+def module(platform: str):
+    """The executor module for a JAX platform ("cpu" or "gpu"), or None if it was not built."""
+    name, _ = _MODULES.get(platform, (None, None))
+    if name is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+@functools.cache
+def register(platform: str) -> bool:
+    """Register the handlers of ``platform``'s executor with XLA; False when there is none."""
+    mod = module(platform)
+    if mod is None:
+        return False
+    xla_platform = _MODULES[platform][1]
+    plain = mod.registrations()
+    try:
+        graph = mod.registrations(command_buffers=True)
+    except TypeError:  # this executor has one handler only
+        graph = plain
+    jax.ffi.register_ffi_target(TARGET, plain[TARGET], platform=xla_platform)
+    jax.ffi.register_ffi_target(TARGET_CB, graph[TARGET], platform=xla_platform)
+    if TARGET_LITE in plain:
+        jax.ffi.register_ffi_target(TARGET_LITE, plain[TARGET_LITE], platform=xla_platform)
+        jax.ffi.register_ffi_target(TARGET_LITE_CB, graph[TARGET_LITE], platform=xla_platform)
+    for probe in (TARGET_NOOP, TARGET_NOOP_BARE, TARGET_NOOP_LITE, TARGET_NOOP_MIN, TARGET_MP, TARGET_AFTER,
+                  TARGET_IPC):
+        if probe in plain:
+            jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
+    return True
+
+
+def has_call_sites(platform: str) -> bool:
+    """Whether ``platform``'s executor takes the light binding (:data:`TARGET_LITE`)."""
+    mod = module(platform)
+    return mod is not None and hasattr(mod, "register_call_site")
+
+
+def register_call_site(platform: str, comm_id: int, program, op: int, timeout_ms: int, host_share: float) -> None:
+    """Tell ``platform``'s executor what the call site ``comm_id`` fixes (its schedule program, op,
+    time budget and host share), for calls through :data:`TARGET_LITE`; ValueError if ``comm_id``
+    was registered with anything else."""
+    module(platform).register_call_site(int(comm_id), [int(w) for w in program], int(op), int(timeout_ms),
+                                        float(host_share))
+
+
+def available() -> dict[str, bool]:
+    """Which executors this installation has: ``{"cpu": bool, "gpu": bool}``."""
+    return {p: module(p) is not None for p in _MODULES}
+
+
+def check() -> None:
+    """Raise RuntimeError if a GPU collective recorded a failure (a time-out, a mismatched program,
+    a peer process that skipped a call or died) since the last :func:`reset`: kernels cannot raise
+    themselves, so their failures are recorded and raised here and by the next call."""
+    mod = module("gpu")
+    if mod is not None and hasattr(mod, "check"):
+        mod.check()
+
+
+def reset() -> None:
+    """Clear every executor's recorded failures and call counts, so collectives run again after a
+    failure. Call it only while no collective runs (it raises RuntimeError if one does)."""
+    for platform in _MODULES:
+        mod = module(platform)
+        if mod is not None and hasattr(mod, "reset"):
+            mod.reset()
+
+
+def check_environment() -> None:
+    """Check the CUDA executor's ``JAX_BLINK_*`` variables as its set-up will read them (ValueError
+    naming the variable and what it takes); needs no GPU. Without a CUDA executor, nothing to check."""
+    mod = module("gpu")
+    if mod is not None and hasattr(mod, "check_environment"):
+        mod.check_environment()

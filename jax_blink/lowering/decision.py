@@ -1,0 +1,151 @@
+"""Where a collective runs: jax_blink's executor or XLA's own collective, and why. The one
+decider for explicit calls and the switch alike, and the one place that warns about a fall-back."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import numpy as np
+
+from jax_blink.lowering import backends as _backends
+from jax_blink.lowering import dispatch_table
+from jax_blink.lowering import hierarchy as _hierarchy
+from jax_blink.lowering import processes as _distributed
+from jax_blink.lowering.mesh import device_kind, platform as current_platform
+from jax_blink.options import config
+
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Where one collective runs: ``executor`` is True for jax_blink's executor, False for XLA's
+    own collective; ``reason`` says why, in words."""
+
+    executor: bool
+    reason: str
+
+
+#: XLA's collective that each of jax_blink's equals, as the messages name it.
+LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value)",
+            "reduce": "lax.psum", "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
+
+
+def dispatch(collective: str, n: int, nbytes: int, dtype: str, kind: str | None,
+             ranks_layout: str = "one process") -> Decision:
+    """``config.dispatch`` for one call of ``collective`` with ``nbytes`` per rank on ``n`` devices of
+    ``kind``: ``"auto"`` reads the measured table (:mod:`jax_blink.lowering.dispatch_table`) for the
+    operand's ``dtype`` and the ``ranks_layout`` (``"one process"`` or ``"several processes"``)."""
+    if config.dispatch == "lax":
+        return Decision(False, "dispatch=lax (JAX_BLINK_DISPATCH or jax_blink.config.dispatch)")
+    if config.dispatch == "blink":
+        return Decision(True, "dispatch=blink: the executor runs every call")
+    if dispatch_table.prefer_lax(kind, n, nbytes, collective=collective, layout=ranks_layout, dtype=dtype):
+        return Decision(False, f"dispatch=auto: {LAX_NAME[collective]} was measured faster at {nbytes} bytes "
+                               f"per rank on {n} x {kind} (jax_blink/lowering/dispatch_table.py)")
+    return Decision(True, f"dispatch=auto: the executor, as the table has it for {nbytes} bytes per rank "
+                          f"on {n} x {kind}")
+
+
+def use_lax(collective: str, n: int, x, axes: tuple[str, ...] | None = None) -> bool:
+    """Whether this explicit call of ``collective`` on operand ``x`` goes to XLA's own collective
+    (:func:`dispatch` for the layout of the ranks over ``axes``)."""
+    nbytes = x.size * np.dtype(x.dtype).itemsize
+    return not dispatch(collective, n, nbytes, np.dtype(x.dtype).name, device_kind(), layout(axes, n)).executor
+
+
+def layout(axes: tuple[str, ...] | None, n: int) -> str:
+    """Where the ranks of a collective over ``axes`` live, as the dispatch table names it."""
+    if axes is None or jax.process_count() == 1:
+        return "one process"
+    procs = _distributed.lowering_attrs(axes, n)["rank_process"]
+    return "one process" if _distributed.one_process_per_group(procs, n) else "several processes"
+
+
+@functools.lru_cache(maxsize=None)
+def peer_access_problem(n: int) -> str | None:
+    """Which pair of the first ``n`` GPUs lacks peer access (the CUDA executor needs every pair)."""
+    mod = _backends.module("gpu")
+    if mod is None or not hasattr(mod, "can_access_peer"):
+        return None
+    ids = [d.local_hardware_id for d in jax.devices("gpu")[:n]]
+    for a in ids:
+        for b in ids:
+            if a != b and not mod.can_access_peer(a, b):
+                return f"GPU {a} cannot access GPU {b}'s memory (no peer access)"
+    return None
+
+
+def hosts_of(axes: tuple[str, ...]):
+    """The host layout of a collective whose ranks span hosts (jax_blink.lowering.hierarchy), else None."""
+    if jax.process_count() == 1 or not _distributed.has_client():
+        return None  # no client: executor_ready sends the call to lax and says why
+    return _hierarchy.layout(axes)
+
+
+def across_hosts_to_lax(what: str, axes: tuple[str, ...]) -> bool:
+    """True (after the fall-back warning, or an error with fallback=raise) where a collective
+    without a three-phase form has ranks on several hosts: they cannot meet in shared memory."""
+    if jax.process_count() == 1 or hosts_of(axes) is None:
+        return False
+    fall_back(f"{what} has no three-phase form for ranks on several hosts "
+               "(all_reduce, reduce_scatter and all_gather have)", what)
+    return True
+
+
+def three_phases(what: str, axes: tuple[str, ...]):
+    """For a collective whose ranks span hosts: ``(layout, False)`` where its three phases
+    (jax_blink.lowering.hierarchy) can run, ``(None, True)`` after the fall-back warning (or an error with
+    fallback=raise) where they cannot, or without a word where every host holds one rank (all the
+    traffic is between hosts, XLA's part: the executor has nothing to do); ``(None, False)`` where
+    its ranks do not span hosts."""
+    hosts = hosts_of(axes)
+    if hosts is None:
+        return None, False
+    if hosts.local == 1:
+        return None, True
+    problem = _hierarchy.problem(hosts, current_platform())
+    if problem is None:
+        return hosts, False
+    fall_back(f"{what} across hosts: {problem}", what)
+    return None, True
+
+
+def fall_back(problem: str, what: str) -> None:
+    """``what`` goes to XLA's own collective because of ``problem``: raise, warn once per problem,
+    or say nothing, as ``config.fallback`` says."""
+    if config.fallback == "raise":
+        raise RuntimeError(f"jax_blink: {problem}; {what} cannot run on jax_blink's executor "
+                           "(JAX_BLINK_FALLBACK=raise; with warn or silent it goes to XLA's own collective)")
+    msg = (f"jax_blink: {problem}; {what} falls back to XLA's own "
+           "collective (set JAX_BLINK_FALLBACK=raise to make this an error)")
+    if config.fallback == "warn" and problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def executor_problem(platform: str, what: str, n: int = 0, *, several_processes: bool = True) -> str | None:
+    """Why the executor of ``platform`` cannot run ``what`` among ``n`` ranks here (None: it can).
+    ``several_processes``: whether the caller can lower for ranks in several processes (explicit
+    calls can, through shared memory or CUDA IPC; the switch cannot)."""
+    if jax.process_count() > 1:
+        if not several_processes:
+            return (f"this job runs {jax.process_count()} processes and the switch lowers collectives "
+                    "among the devices of one process")
+        return _distributed.executor_problem(platform, what)
+    if not _backends.register(platform):
+        return f"no {platform} executor in this build"
+    if platform == "gpu":
+        return peer_access_problem(n)
+    return None
+
+
+def executor_ready(platform: str, what: str, n: int = 0) -> bool:
+    """Register the platform's executor; where it cannot run, fall back as ``config.fallback`` says."""
+    problem = executor_problem(platform, what, n)
+    if problem is None:
+        return True
+    fall_back(problem, what)
+    return False

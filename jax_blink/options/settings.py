@@ -1,0 +1,277 @@
+"""Run-time options of jax_blink, read from the environment once and changeable in code.
+
+``JAX_BLINK_TIMEOUT_S``   budget of every wait inside a collective (default 10 s)
+``JAX_BLINK_CHUNK_BYTES`` pipelining chunk in bytes (65536, 512K, 16M; default: the schedule's); ``auto``: the chunk
+                          that ``jax_blink.tools.autotune.tune_chunk`` measured best for this device
+                          kind, rank count, collective, dtype and size class, where it has one
+``JAX_BLINK_COMMAND_BUFFERS`` ``1``: lower to the handler that XLA may capture in CUDA graphs
+                          (the first call of each call site must run uncaptured)
+``JAX_BLINK_DISPATCH``    ``auto`` (default): ``all_reduce`` uses ``lax.psum`` where that was measured
+                          faster (jax_blink/lowering/dispatch_table.py); ``blink``: always the executor; ``lax``: never
+``JAX_BLINK_FALLBACK``    ``warn`` (default): use ``lax`` collectives with one warning where no
+                          executor can run (no peer access, no CUDA build, several processes);
+                          ``raise``: refuse;
+                          ``silent``: fall back without a word.
+``JAX_BLINK_MERGE_BYTES`` the switch merges adjacent all-reduces of one dtype into calls of at most
+                          this many bytes per rank (default 25M, as DDP's buckets); ``0``: no merging
+
+``config.NAME = value`` checks the value at once (TypeError/ValueError naming the option, the value
+and what it takes) and refuses names that are not options (AttributeError listing them). A
+``JAX_BLINK_*`` variable that nothing reads (a misspelling) gets one warning that lists the known
+ones (:data:`KNOWN_ENVIRONMENT`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import numbers
+import operator
+import os
+import warnings
+
+import numpy as np
+
+_FALLBACKS = ("warn", "raise", "silent")
+MAX_TIMEOUT_S = 1e6  # the budget travels in milliseconds as an int64 attribute; 11 days is plenty
+_DISPATCH = ("auto", "blink", "lax")
+#: ``chunk_bytes`` value that means: the tuned chunk from the cache (:mod:`jax_blink.lowering.chunk_cache`).
+AUTO = "auto"
+#: DDP's ``bucket_cap_mb=25``: the default bucket of :func:`jax_blink.api.buckets.bucketed`, and
+#: of ``merge_bytes``.
+DEFAULT_BUCKET_BYTES = 25 << 20
+#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+_MIN_CHUNK_BYTES = 16  # the schedule aligns chunks to 16 bytes
+
+
+def _got(value) -> str:
+    return f"got {value!r} ({type(value).__name__})"
+
+
+def _check_timeout_s(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout_s must be a number of seconds (int or float), {_got(value)}")
+    v = float(value)
+    if not 0 < v <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, got {value!r}")
+    return v
+
+
+def _check_chunk_bytes(value) -> int | str | None:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        if value == AUTO:
+            return value
+        raise ValueError(f"chunk_bytes must be a whole number of bytes >= {_MIN_CHUNK_BYTES}, {AUTO!r} "
+                         f"or None, {_got(value)} (a string other than {AUTO!r})")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"chunk_bytes must be a whole number of bytes >= {_MIN_CHUNK_BYTES}, {AUTO!r} "
+                        f"or None, {_got(value)}") from None
+    if not _MIN_CHUNK_BYTES <= v < 1 << 63:
+        raise ValueError(f"chunk_bytes must be >= {_MIN_CHUNK_BYTES} bytes (or {AUTO!r} or None), "
+                         f"got {value!r}")
+    return int(v)
+
+
+def _choice(field: str, choices: tuple[str, ...]):
+    def check(value) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"{field} must be one of {choices}, {_got(value)}")
+        if value not in choices:
+            raise ValueError(f"{field} must be one of {choices}, got {value!r}")
+        return value
+    return check
+
+
+def _check_command_buffers(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"command_buffers must be True or False, {_got(value)}")
+    return bool(value)
+
+
+def _check_merge_bytes(value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"merge_bytes must be a whole number of bytes, {_got(value)}")
+    if value < 0:
+        raise ValueError(f"merge_bytes must be >= 0 (0 turns merging off), {_got(value)}")
+    return int(value)
+
+
+# Every option, with the check that a value must pass to be set. A check returns the value to store
+# (plain Python types) or raises TypeError (wrong kind of value) / ValueError (out of range), naming
+# the option, the value and what it takes.
+_CHECKS = {
+    "timeout_s": _check_timeout_s,
+    "chunk_bytes": _check_chunk_bytes,
+    "merge_bytes": _check_merge_bytes,
+    "fallback": _choice("fallback", _FALLBACKS),
+    "command_buffers": _check_command_buffers,
+    "dispatch": _choice("dispatch", _DISPATCH),
+}
+
+
+def check_chunk_bytes(value) -> None:
+    """Raise ValueError/TypeError unless ``value`` is None, ``"auto"`` or a whole number of bytes >= 16."""
+    _check_chunk_bytes(value)
+
+
+def _no_such_option(name: str) -> AttributeError:
+    near = difflib.get_close_matches(name, _CHECKS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return AttributeError(f"jax_blink.config has no option {name!r}{hint}; "
+                          f"the options are: {', '.join(_CHECKS)}")
+
+
+@dataclasses.dataclass
+class Options:
+    """The options (``jax_blink.config`` is the one in force). Every assignment is checked: a value
+    an option does not take raises TypeError/ValueError at once, an unknown name AttributeError."""
+
+    timeout_s: float = 10.0
+    chunk_bytes: int | str | None = None  # bytes, "auto" (tuned, jax_blink.tools.autotune) or None
+    fallback: str = "warn"
+    command_buffers: bool = False
+    dispatch: str = "auto"
+    merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
+
+    def __setattr__(self, name: str, value) -> None:
+        check = _CHECKS.get(name)
+        if check is None:
+            raise _no_such_option(name)
+        object.__setattr__(self, name, check(value))
+
+    def __getattr__(self, name: str):  # only called for names that are not options
+        if name.startswith("__"):  # copy, pickle and friends probing for hooks
+            raise AttributeError(name)
+        raise _no_such_option(name)
+
+    def validate(self) -> None:
+        """Check every option again (values set through ``object.__setattr__`` skip the checks)."""
+        for name, check in _CHECKS.items():
+            check(getattr(self, name))
+
+
+_UNITS = {"": 0, "k": 10, "m": 20, "g": 30}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_byte_count(text: str) -> int:
+    """``"65536"``, ``"512K"``, ``"16M"``, ``"1G"`` (binary units, any case) -> bytes, as the CUDA
+    executor reads its byte-count variables; ValueError for anything else."""
+    digits, unit = (text[:-1], text[-1:].lower()) if text[-1:].isalpha() else (text, "")
+    if not digits.isdigit() or not digits.isascii() or unit not in _UNITS \
+            or int(digits) << _UNITS[unit] >= 1 << 63:
+        raise ValueError(f"not a byte count: {text!r} (examples: 65536, 512K, 16M, 1G)")
+    return int(digits) << _UNITS[unit]
+
+
+def _parse_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+
+
+def _parse_chunk(text: str) -> int | str:
+    return AUTO if text.lower() == AUTO else parse_byte_count(text)
+
+
+def _parse_flag(text: str) -> bool:
+    if text.lower() not in _TRUE + _FALSE:
+        raise ValueError("not 1/true/yes/on or 0/false/no/off")
+    return text.lower() in _TRUE
+
+
+# The variables that set options: name -> (option, parser of its text, what it takes).
+_ENV_OPTIONS = {
+    "JAX_BLINK_TIMEOUT_S": ("timeout_s", _parse_seconds, f"a number of seconds > 0, at most {MAX_TIMEOUT_S:g}"),
+    "JAX_BLINK_CHUNK_BYTES": ("chunk_bytes", _parse_chunk,
+                              f"a number of bytes >= {_MIN_CHUNK_BYTES} (65536, 512K, 16M) or {AUTO!r}"),
+    "JAX_BLINK_DISPATCH": ("dispatch", str.lower, " / ".join(_DISPATCH)),
+    "JAX_BLINK_COMMAND_BUFFERS": ("command_buffers", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_FALLBACK": ("fallback", str.lower, " / ".join(_FALLBACKS)),
+    "JAX_BLINK_MERGE_BYTES": ("merge_bytes", parse_byte_count, "a number of bytes >= 0 (0: no merging; 25M by default)"),
+}
+# The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
+# host channel's engine and the executor's size limits that explain() reports (collectives.py), and
+# the CUDA executor's own (kernels/cuda_executor.cu, checked at set-up). tests/unit/test_options.py
+# scans the package and kernels/ so that this list cannot miss one.
+_ENV_ELSEWHERE = (
+    "JAX_BLINK_TUNING_CACHE", "JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS",
+    "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_SHARE",
+    "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_ENGINE",
+    "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda_ipc.cu: the IPC kernels' most blocks (default: one per SM)
+    "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/lowering/processes.py
+    "JAX_BLINK_FULL_BINDING",  # jax_blink/api/collectives.py: GPU calls carry every attribute (issue 17)
+)
+#: Every ``JAX_BLINK_*`` environment variable that jax_blink or its executors read.
+KNOWN_ENVIRONMENT = tuple(sorted({*_ENV_OPTIONS, *_ENV_ELSEWHERE}))
+
+
+def unknown_environment(environ=None) -> list[str]:
+    """The ``JAX_BLINK_*`` names in ``environ`` (default ``os.environ``) that nothing reads."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith("JAX_BLINK_") and k not in KNOWN_ENVIRONMENT)
+
+
+def _warn_unknown_environment(environ=None) -> None:
+    unknown = unknown_environment(environ)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, KNOWN_ENVIRONMENT, n=1, cutoff=0.8)
+        hints.append(f"{name} (did you mean {near[0]}?)" if near else name)
+    warnings.warn(f"jax_blink ignores the environment variable{'s' * (len(unknown) > 1)} "
+                  f"{', '.join(hints)}: not one it reads. The ones it reads: {', '.join(KNOWN_ENVIRONMENT)}",
+                  RuntimeWarning, stacklevel=2)
+
+
+def env_value(name: str, parse, takes: str, default=None, environ=None):
+    """The ``JAX_BLINK_*`` variable ``name`` through ``parse`` (unset or empty: ``default``); a
+    value ``parse`` refuses (TypeError, ValueError) is a ValueError naming the variable and what it
+    takes. The one reader of such variables in Python, for the options and for the others."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(name, "").strip()
+    if not text:  # an empty variable counts as unset, as the CUDA executor reads its own
+        return default
+    try:
+        return parse(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}={environ[name]!r} in the environment: {e}; {name} takes {takes}") from None
+
+
+def _from_env(environ=None) -> Options:
+    """The options as the ``JAX_BLINK_*`` variables of ``environ`` (default ``os.environ``) set
+    them; ValueError naming the variable for a value its option does not take."""
+    o = Options()
+    for name, (field, parse, takes) in _ENV_OPTIONS.items():
+        def assign(text: str, field=field, parse=parse) -> None:  # the field's own check counts too
+            setattr(o, field, parse(text))
+        env_value(name, assign, takes, environ=environ)
+    return o
+
+
+#: The options in force. Values are read at trace time: change them before ``jit`` traces.
+config = _from_env()
+_warn_unknown_environment()
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Set ``config`` fields for the duration of a ``with`` block (options are read when ``jit``
+    traces: trace inside the block), restoring them after."""
+    saved = {k: getattr(config, k) for k in fields}  # an unknown name raises here, before any change
+    try:
+        for k, v in fields.items():
+            setattr(config, k, v)
+        yield config
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)

@@ -1,0 +1,290 @@
+"""Command line: ``python -m jax_blink plan ...`` (the main job), ``demo``, ``crossover``, and
+``python -m jax_blink run SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited:
+jax_blink.switch).
+
+    python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
+
+prints the topology, the trees of the plan and their weights, the plan's rate against its cut
+bound and against NCCL's rings (:mod:`jax_blink.tools.simulate`), all as algbw (GB/s per rank), and the
+plan's own explanation; with ``--plot`` it draws the trees (:func:`jax_blink.tools.draw.draw_plan`).
+
+``--topology`` takes a preset (``dgx1v``, ``dgx1p``, ``dgx2``, ``nvswitch:N``) or ``discover``
+(the default): the devices JAX sees. Without GPUs those are CPU host devices, a uniform mesh; this
+module asks XLA for 8 of them when nothing else was asked before JAX starts. Every size option
+takes bytes per rank in one grammar: 65536, 512K, 16M, 1G.
+
+Every option is checked before any work starts: a bad value ends with one line on stderr that
+names the option, what it got and what it takes, and exit status 2 (:mod:`jax_blink.tools.arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jax_blink.tools.arguments import Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
+from jax_blink.tools.arguments import check_fits, input_file, whole_number
+
+PROG = "python -m jax_blink"
+_MAX_DEVICES = 128  # nvswitch:128 plans in about 50 s on one core; more would run for many minutes
+_DGX1 = ("dgx1v", "dgx1p")
+
+
+def _topology_arg(text: str) -> str:
+    """--topology: a preset name or ``discover``, checked before any work (nvswitch:N, 2 <= N <= 128)."""
+    key = text.strip().lower()
+    if key in ("discover", "dgx2") + _DGX1:
+        return key
+    if key.startswith("nvswitch:"):
+        n = key.partition(":")[2]
+        if n.isdigit() and 2 <= int(n) <= _MAX_DEVICES:
+            return key
+    raise argparse.ArgumentTypeError(f"got {text!r}; takes dgx1v, dgx1p, dgx2, nvswitch:N "
+                                     f"(2 <= N <= {_MAX_DEVICES}) or discover")
+
+
+def _parse_devices(text: str | None) -> list[int] | None:
+    """--devices: ids such as 0,1,4 or 0-3 (ranges inclusive), each once; None: all devices."""
+    if text is None or text.strip() == "":
+        return None
+    takes = "takes device ids such as 0,1,4 or 0-3, each id once"
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (not dash or hi.isdigit())):  # also refuses negative ids
+            raise bad("--devices", text, takes)
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first or last - first >= _MAX_DEVICES:
+            raise bad("--devices", text, f"{takes}; {part!r} is not a range of 1 to {_MAX_DEVICES} ids")
+        out.extend(range(first, last + 1))
+    if len(set(out)) != len(out):
+        raise bad("--devices", text, f"{takes} (an id appears twice)")
+    if len(out) > _MAX_DEVICES:
+        raise bad("--devices", text, f"{takes}, at most {_MAX_DEVICES} of them")
+    return out
+
+
+def _topology(name: str, devices: list[int] | None, pcie: bool):
+    from jax_blink.planning.topology import Topology
+
+    if pcie and name not in _DGX1:
+        raise UsageError(f"argument --pcie: applies to the DGX-1 presets ({', '.join(_DGX1)}), "
+                         f"not to --topology {name}")
+    if name == "discover":
+        import jax
+
+        all_devs = jax.devices()
+        if devices is not None:
+            by_id = {d.id: d for d in all_devs}
+            missing = [i for i in devices if i not in by_id]
+            if missing:
+                raise bad("--devices", ",".join(map(str, devices)),
+                          f"takes ids of the devices here, {sorted(by_id)}; no device has id "
+                          f"{', '.join(map(str, missing))}")
+            all_devs = [by_id[i] for i in devices]
+        return Topology.discover(all_devs)
+    topo = Topology.preset(name, pcie=pcie)
+    if devices is not None:
+        unknown = [d for d in devices if d not in topo.devices]
+        if unknown:
+            raise bad("--devices", ",".join(map(str, devices)),
+                      f"takes ids of {name}'s devices, {list(topo.devices)}; no device has id "
+                      f"{', '.join(map(str, unknown))}")
+        topo = topo.subset(devices)
+    return topo
+
+
+def _format_tree(tree, weight: float, i: int) -> str:
+    roots = [v for v in tree.nodes if tree.in_degree(v) == 0]
+    root = roots[0] if roots else "?"
+    # Breadth-first from the root so the edges read in order.
+    import networkx as nx
+
+    edges = list(nx.bfs_edges(tree, root)) if roots else list(tree.edges)
+    return f"  tree {i}: root {root}, {weight:.4g} GB/s: " + ", ".join(f"{u}->{v}" for u, v in edges)
+
+
+def _bytes(nbytes: int) -> str:
+    """``nbytes`` as the size grammar writes it where it can (64M, 512K), else the plain count."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+# What the plan command prints as a rate: every GB/s figure in it is this unit.
+_ALGBW = "algbw: GB/s per rank, the bytes of one rank's buffer / time (nccl-tests' definition)"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The ``plan`` subcommand."""
+    topo = _topology(args.topology, args.devices, args.pcie)
+    from jax_blink.tools.simulate import algbw, best_time, rings
+    from jax_blink.planning.packing import plan as make_plan
+
+    if args.root is not None and args.root not in topo.devices:
+        raise bad("--root", args.root, f"takes one of the devices {list(topo.devices)}")
+    try:
+        p = make_plan(topo, args.collective, args.root, method=args.method)
+    except ValueError as e:  # e.g. an allocation whose links hold no tree
+        hint = " On the command line: add --pcie." if args.topology in _DGX1 and not args.pcie else ""
+        raise UsageError(f"{e}{hint}") from None
+    if args.plot:  # the picture is part of the work: drawn before anything is printed
+        from jax_blink.tools.draw import draw_plan
+
+        draw_plan(p, path=args.plot)
+
+    print(topo.describe())
+    print()
+    root = getattr(p, "root", None)
+    if root is None:
+        roots = sorted(set(getattr(p, "roots", ()) or ()))
+        where = f"roots {','.join(map(str, roots))}" if roots else "root chosen by the planner"
+    else:
+        where = f"root {root}"
+    print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s), "
+          "each with its share of the algbw")
+    for i, (tree, w) in enumerate(p.trees):
+        print(_format_tree(tree, w, i))
+    if topo.n == 1:
+        print("one device: nothing to move")
+    else:
+        bound = float(p.bound)
+        frac = f" ({100 * p.rate / bound:.1f}% of it)" if bound > 0 else ""
+        print(f"trees: {p.rate:.4g} GB/s algbw (the sum of the tree weights); cut bound {bound:.4g} GB/s{frac}")
+        rp = rings(topo)
+        ra, ta = algbw(rp, args.collective), algbw(p, args.collective)
+        print()
+        n = topo.n
+        how = (f"rings of {rp.rate:g} GB/s in all, and an all-reduce sends 2(n-1)/n of the data around "
+               f"them: {rp.rate:g} x {n}/{2 * (n - 1)} = {ra:.4g} GB/s algbw" if args.collective == "allreduce"
+               else f"rings of {ra:.4g} GB/s in all = {ra:.4g} GB/s algbw")
+        print(f"NCCL-style rings: {rp.num_rings} {rp.kind} ring(s) on {rp.topology.name}"
+              + (f" ({rp.note})" if rp.note else "") + f"; {how}")
+        for r, b in zip(rp.rings, rp.rates):
+            print(f"  {' -> '.join(map(str, r))} -> {r[0]}: {b:g} GB/s")
+        print(f"trees {ta:.4g} vs rings {ra:.4g} GB/s algbw: {ta / ra:.2f}x" if ra > 0 else "")
+        print(f"({_ALGBW}; in the model, at large sizes)")
+        tt, tc = best_time(p, args.collective, args.size)
+        rt, _ = best_time(rp, args.collective, args.size)
+        if tt > 0:
+            print(f"model at {_bytes(args.size)} bytes per rank: trees {tt:.1f} us "
+                  f"(chunk {_bytes(int(tc or 0))}), rings {rt:.1f} us: {rt / tt:.2f}x")
+    print()
+    print(p.explain())
+    if args.plot:
+        print(f"\ntrees drawn to {args.plot}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import jax
+    import numpy as np
+
+    from jax_blink.tools.demo import run_demo, bytes_needed
+
+    itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
+    if args.size % itemsize:
+        raise bad("--size", _bytes(args.size), f"takes a whole number of {args.dtype} elements "
+                                               f"({itemsize} bytes each) per rank")
+    devices = jax.devices()
+    check_fits("--size", args.size, devices, bytes_needed(args.size, args.dtype, devices))
+    return run_demo(args.size, args.dtype, args.plot)
+
+
+def cmd_crossover(args: argparse.Namespace) -> int:
+    from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
+    from jax_blink.tools.derive import derive
+
+    c = derive(args.runs, dtype=args.dtype)  # an unreadable or unfit file: a ValueError naming it (exit 2)
+    lax_name = _LAX_NAME.get(c.collective, "lax")
+    print(f"# {c.collective}: derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
+          "paste into jax_blink/lowering/dispatch_table.py CROSSOVERS")
+    print(c.as_code() + ",")
+    for lo, hi in c.lax_ranges:
+        print(f"# {lax_name} for {lo} <= bytes of a rank's operand" + (f" < {hi}" if hi is not None else ""))
+    if not c.lax_ranges:
+        print(f"# no size goes to {lax_name}: the executor won or tied somewhere at every size")
+    return 0
+
+
+_EXAMPLES = f"""examples:
+  {PROG} plan --topology dgx1v --devices 0,1,4 --plot trees.png
+  {PROG} demo --size 16M --dtype bfloat16
+  {PROG} COMMAND --help      (every size is bytes per rank: 65536, 512K, 16M, 1G)
+  {PROG}.bench --help        (our collectives against lax's, timed and checked)"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description="Blink-style collectives for JAX: plans and demos.",
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    pp = sub.add_parser("plan", help="plan trees for a collective on a topology, compare with rings")
+    pp.add_argument("--topology", default="discover", type=_topology_arg,
+                    help=f"dgx1v, dgx1p, dgx2, nvswitch:N (2 <= N <= {_MAX_DEVICES}) or discover "
+                         "(default: the jax devices here; CPU host devices on a machine without GPUs)")
+    pp.add_argument("--devices", default=None, type=_parse_devices,
+                    help="the allocation: device ids such as 0,1,4 or 0-3 (default: all)")
+    pp.add_argument("--collective", default="allreduce", choices=["broadcast", "reduce", "allreduce"],
+                    help="the collective to plan (default allreduce)")
+    pp.add_argument("--root", type=whole_number(0), default=None,
+                    help="root device id (default: the planner's choice)")
+    pp.add_argument("--method", default="exact", choices=["exact", "mwu"],
+                    help="exact: LP and integer program (OR-Tools); mwu: the paper's fast approximation")
+    pp.add_argument("--pcie", action="store_true",
+                    help="dgx1v/dgx1p: add PCIe links where there is no NVLink")
+    pp.add_argument("--size", type=byte_count, default=500 << 20, metavar="BYTES",
+                    help="bytes per rank for the time model: 65536, 512K, 16M, 1G (default 500M)")
+    pp.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
+                    help="draw the trees to this picture file (.png, .pdf, .svg, ...)")
+    pp.set_defaults(func=cmd_plan)
+
+    pd = sub.add_parser("demo", help="run jax_blink.all_reduce against lax.psum on the devices here")
+    pd.add_argument("--size", type=byte_count, default=4 << 20, metavar="BYTES",
+                    help="bytes per rank, a whole number of elements: 65536, 512K, 16M, 1G (default 4M)")
+    pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"],
+                    help="element type (default float32)")
+    pd.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
+                    help="draw the all-reduce trees to this picture file (.png, .pdf, .svg, ...)")
+    pd.set_defaults(func=cmd_demo)
+
+    pc = sub.add_parser("crossover", help="derive a dispatch entry (jax_blink/lowering/dispatch_table.py) from bench runs")
+    pc.add_argument("runs", nargs="+", metavar="JSON", type=lambda t: input_file("JSON", t, suffix=".json"),
+                    help="bench results of one collective on one machine (python -m jax_blink.tools.bench -o DIR "
+                         "writes them)")
+    pc.add_argument("--dtype", default=None, metavar="DTYPE",
+                    help="derive the entry for this element type from its rows alone (default: one entry for "
+                         "every dtype the runs measured, lax only where lax won in each)")
+    pc.set_defaults(func=cmd_crossover)
+
+    # Handled by main() before parsing (its arguments belong to the script); listed for --help.
+    sub.add_parser("run", help="run SCRIPT.py [ARGS...] as python would, its lax collectives on "
+                               "jax_blink (jax_blink.install())")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 1 demo results differ, 2 bad input; run: the script's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        # `run SCRIPT.py [ARGS...]`: the script as `python SCRIPT.py ARGS...` runs it, with the
+        # switch on (jax_blink.switch). Its arguments are its own, its environment untouched, and
+        # its exit status and exceptions pass through.
+        from jax_blink.switch.rules import run_script
+        return run_script(argv[1:])
+    ensure_host_devices()
+    parser = build_parser()
+
+    def body() -> int:
+        args = parser.parse_args(argv)
+        return args.func(args)
+
+    return run_main(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""``python -m jax_blink.tools.train``: data-parallel training of a ResNet-18 or GPT-2 shaped model on
+synthetic data, with its gradients summed by ``lax.psum`` or by jax_blink, and what the
+collectives cost.
+
+    python -m jax_blink.tools.train --model resnet|gpt2 --collective psum|blink|switch --steps N --size tiny|small|full
+
+prints the bucket layout, ``step <n> loss <value>`` for every step, then the step time of psum and
+of jax_blink (the ``--collective`` mode, ``blink`` when that is psum) and the share of the step
+spent in collectives: (t(step) - t(the same step with the all-reduce taken out)) / t(step), the
+three compiled steps timed in turns on the same state and batch (median of ``--timing-runs``).
+The results go to ``--out`` (default ``benchmarks/results``) as
+``train-<model>-<size>-<device kind>-x<devices>-<date>.{json,txt}``.
+
+Without a GPU the devices are CPU host devices (8 unless ``--host-devices`` or ``XLA_FLAGS`` says
+otherwise). Bad flags end with one line naming the flag on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+PROG = "python -m jax_blink.tools.train"
+COLLECTIVES = ("psum", "blink", "switch")
+SIZE_NAMES = ("tiny", "small", "full")
+#: Flags that override a field of the size's config, and the models that have the field.
+FIELDS = {"layers": ("gpt2",), "blocks": ("resnet",), "width": ("resnet", "gpt2"), "heads": ("gpt2",),
+          "vocab": ("gpt2",), "seq_len": ("gpt2",), "image_size": ("resnet",), "classes": ("resnet",),
+          "batch": ("resnet", "gpt2")}
+
+
+class UsageError(Exception):
+    """Bad command-line input: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {v}")
+        return v
+    return parse
+
+
+def _positive_float(flag: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if not v > 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number > 0, got {text}")
+        return v
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, choices=("resnet", "gpt2"))
+    p.add_argument("--collective", default="blink", choices=COLLECTIVES,
+                   help="what sums the gradients: lax.psum, jax_blink.all_reduce written into the step, "
+                        "or the psum step under jax_blink's switch (default blink)")
+    p.add_argument("--steps", type=_positive_int("--steps"), default=10)
+    p.add_argument("--size", default="tiny", choices=SIZE_NAMES,
+                   help="tiny (CPU), small, full (ResNet-18 on 224x224, GPT-2 small); default tiny")
+    g = p.add_argument_group("model shape (override the size's values)")
+    g.add_argument("--layers", type=_positive_int("--layers"), help="GPT-2 blocks")
+    g.add_argument("--blocks", type=_positive_int("--blocks"), help="ResNet basic blocks per stage (ResNet-18: 2)")
+    g.add_argument("--width", type=_positive_int("--width"), help="GPT-2 embedding width; ResNet channels of stage 1")
+    g.add_argument("--heads", type=_positive_int("--heads"), help="GPT-2 attention heads")
+    g.add_argument("--vocab", type=_positive_int("--vocab"), help="GPT-2 vocabulary")
+    g.add_argument("--seq-len", type=_positive_int("--seq-len"), help="GPT-2 tokens per sequence")
+    g.add_argument("--image-size", type=_positive_int("--image-size"), help="ResNet image side")
+    g.add_argument("--classes", type=_positive_int("--classes"), help="ResNet classes")
+    g.add_argument("--batch", type=_positive_int("--batch"), help="examples per device and step")
+    p.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=25.0,
+                   help="gradient bucket cap in MiB (DDP's bucket_cap_mb; default 25)")
+    p.add_argument("--first-bucket-mb", type=_positive_float("--first-bucket-mb"), default=1.0,
+                   help="cap of the first bucket in MiB (DDP: 1)")
+    p.add_argument("--lr", type=_positive_float("--lr"), help="learning rate (default 0.1 SGD for resnet, 1e-3 AdamW for gpt2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=_positive_int("--devices"),
+                   help="devices on the data axis (default: all of the default backend)")
+    p.add_argument("--host-devices", type=_positive_int("--host-devices"), default=8,
+                   help="CPU host devices to ask XLA for when there is no GPU (default 8)")
+    p.add_argument("--dispatch", default="blink", choices=("blink", "auto"),
+                   help="jax_blink's dispatch while the step is traced: blink (default) always runs the "
+                        "executor; auto sends sizes where psum was measured faster to psum")
+    p.add_argument("--timing-runs", type=int, default=10,
+                   help="timed runs of each step for the step times (0: no timing; default 10)")
+    p.add_argument("--stream", type=_positive_int("--stream"),
+                   help="experimental, GPU: run each bucket's jax_blink all-reduce as an asynchronous call "
+                        "on XLA stream N (jax's compute_on gpu_stream:N), so that it may overlap compute "
+                        "(docs/overlap.md)")
+    p.add_argument("--quick-compile", action="store_true",
+                   help="compile the steps without XLA's backend optimisations (faster compiles, slower "
+                        "steps: for tests, not for timings)")
+    p.add_argument("--explain", action="store_true", help="print jax_blink.explain of each bucket's all-reduce")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the results (default benchmarks/results)")
+    p.add_argument("--no-write", action="store_true", help="write no result files")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    for field, models in FIELDS.items():
+        if getattr(args, field) is not None and args.model not in models:
+            flag = "--" + field.replace("_", "-")
+            raise UsageError(f"{flag} does not apply to --model {args.model} (it shapes {' and '.join(models)})")
+    if args.timing_runs < 0:
+        raise UsageError(f"--timing-runs must be >= 0, got {args.timing_runs}")
+    if args.first_bucket_mb > args.bucket_mb:
+        raise UsageError(f"--first-bucket-mb ({args.first_bucket_mb}) must not exceed --bucket-mb ({args.bucket_mb})")
+    return args
+
+
+def model_config(args: argparse.Namespace):
+    from jax_blink.tools.train.models import SIZES
+    overrides = {f: getattr(args, f) for f in FIELDS if getattr(args, f) is not None}
+    cfg = dataclasses.replace(SIZES[args.model][args.size], **overrides)
+    if args.model == "gpt2" and cfg.width % cfg.heads:
+        raise UsageError(f"--width {cfg.width} must be a multiple of --heads {cfg.heads}")
+    return cfg
+
+
+def _ensure_host_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU host devices, unless its backends have started or someone asked."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ.setdefault("PJRT_NPROC", "16")  # see tests/conftest.py: avoids a CPU deadlock
+
+
+class _Done:
+    """A step's result for :func:`jax_blink.tools.timing.interleaved_times`, which waits on
+    ``result.block_until_ready()``: waits on every array of the pytree."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def block_until_ready(self):
+        import jax
+        return jax.block_until_ready(self.tree)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def time_steps(dp, modes: Sequence[str], state, runs: int) -> dict[str, list[float]]:
+    """Wall times of one step of each mode on ``state`` and the first batch, the modes taking
+    turns (:func:`jax_blink.tools.timing.interleaved_times`)."""
+    from jax_blink.tools.timing import interleaved_times
+    batch = dp.batches[0]
+    fns = [lambda s, c=dp.compiled(m): _Done(c(s, batch)) for m in modes]
+    return dict(zip(modes, interleaved_times(fns, state, runs)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        cfg = model_config(args)
+    except UsageError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    _ensure_host_devices(args.host_devices)
+    try:
+        from jax_blink.tools.train.step import DataParallel, switch_available
+    except ImportError as e:  # flax / optax missing
+        print(f"{PROG}: {e}; install the train extra: pip install -e \".[train]\"", file=sys.stderr)
+        return 2
+    if args.collective == "switch" and not switch_available():
+        print(f"{PROG}: --collective switch needs jax_blink.installed() (the switch, issue 15), which "
+              "this jax_blink does not have; use --collective blink", file=sys.stderr)
+        return 2
+    import jax
+    import numpy as np
+
+    devices = jax.devices()
+    n = args.devices or len(devices)
+    if n > len(devices):
+        print(f"{PROG}: --devices {n}: only {len(devices)} {devices[0].platform} devices", file=sys.stderr)
+        return 2
+    if args.stream is not None and devices[0].platform not in ("gpu", "cuda"):
+        print(f"{PROG}: --stream {args.stream}: stream annotations are an XLA:GPU feature; this run is on "
+              f"{devices[0].platform} devices", file=sys.stderr)
+        return 2
+    if args.stream is not None:
+        try:
+            from jax.experimental.compute_on import compute_on2  # noqa: F401
+        except ImportError:
+            print(f"{PROG}: --stream {args.stream}: needs jax.experimental.compute_on.compute_on2, which "
+                  f"jax {jax.__version__} does not have", file=sys.stderr)
+            return 2
+    if args.stream is not None and args.collective != "blink":
+        print(f"{PROG}: --stream applies to --collective blink (the switch lowers inside jax's own rules)",
+              file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh((n,), ("data",), devices=devices[:n])
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    kind = devices[0].device_kind
+    say(f"{PROG} {' '.join(argv if argv is not None else sys.argv[1:])}")
+    say(f"devices: {n} x {kind} ({devices[0].platform}); jax {jax.__version__}")
+    dp = DataParallel(args.model, cfg, mesh, bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                      first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
+                      lr=args.lr, dispatch=args.dispatch,
+                      compiler_options={"xla_backend_optimization_level": 0} if args.quick_compile else None,
+                      stream=args.stream)
+    say(f"model: {args.model} {args.size} {cfg}, {dp.param_count:,} parameters")
+    say(f"gradient buckets: {dp.layout.describe()}")
+    if args.explain and n > 1:
+        from jax_blink.lowering.custom_call import default_topology
+        from jax_blink.options.settings import override
+        with override(dispatch=args.dispatch):  # as the step is traced
+            say(dp.layout.explain(default_topology(n, "gpu" if devices[0].platform in ("gpu", "cuda") else devices[0].platform)))
+    if n == 1:
+        say("one device: every all-reduce is the identity (nothing to sum across); jax_blink returns its input")
+    state, losses = dp.run(args.collective, args.steps, lambda i, loss: say(f"step {i} loss {loss:.6f}"))
+    if not all(np.isfinite(losses)):
+        say("loss is not finite")
+        return 1
+
+    record = {"argv": list(argv if argv is not None else sys.argv[1:]), "model": args.model, "size": args.size,
+              "config": dataclasses.asdict(cfg), "parameters": dp.param_count, "collective": args.collective,
+              "dispatch": args.dispatch, "quick_compile": args.quick_compile, "stream": args.stream, "devices": n, "device_kind": kind, "platform": devices[0].platform,
+              "jax": jax.__version__, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
+              "losses": losses}
+    if args.timing_runs:
+        ours = args.collective if args.collective != "psum" else "blink"
+        modes = ["psum", ours, "none"]
+        times = time_steps(dp, modes, state, args.timing_runs)
+        med = {m: statistics.median(t) for m, t in times.items()}
+        say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
+            "(t - t(no all-reduce)) / t, the same step with the all-reduce taken out):")
+        record["timing"] = {"runs": args.timing_runs, "method": "step with the all-reduce removed", "modes": {}}
+        for m in modes:
+            share = (med[m] - med["none"]) / med[m]
+            counted = dp.collectives_in(m)
+            label = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
+                     "switch": "psum under the switch", "none": "no all-reduce"}[m]
+            tail = "" if m == "none" else f"  collectives {share:6.1%} ({(med[m] - med['none']) * 1e3:.3f} ms)"
+            say(f"  {label:>22}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
+                f"{counted['jax_blink']} jax_blink call(s) in the program]")
+            record["timing"]["modes"][m] = {"median_s": med[m], "times_s": times[m], "collective_share": share,
+                                            "xla_all_reduces": counted["all-reduce"],
+                                            "jax_blink_calls": counted["jax_blink"]}
+    if not args.no_write:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = (f"train-{args.model}-{args.size}-{args.collective}-{slug(kind)}-x{n}-"
+                f"{_dt.date.today().isoformat()}")
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / stem}.json and .txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

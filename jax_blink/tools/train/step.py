@@ -1,0 +1,196 @@
+"""The data-parallel training step: parameters replicated, the batch split over a mesh axis
+(``jax.shard_map``), each device's gradients summed over the axis in buckets (PyTorch DDP's
+layout, :mod:`jax_blink.api.buckets`), the same optimizer update on every device.
+
+The collective that sums a bucket is the only thing that changes between the modes:
+
+- ``psum``: ``lax.psum`` (XLA's all-reduce);
+- ``blink``: ``jax_blink.all_reduce``, written into the step;
+- ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
+  (the switch routes its ``lax.psum`` to jax_blink);
+- ``none``: no collective (each device keeps its own gradients): the same step with the
+  all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
+
+BatchNorm's running statistics travel in the same buckets as the gradients and are averaged, so
+every device keeps the same model (DDP instead broadcasts rank 0's buffers).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_blink.api import buckets as _buckets
+from jax_blink.api.collectives import all_reduce
+from jax_blink.options.settings import override
+from jax_blink.tools.train import data as _data
+from jax_blink.tools.train.models import MODELS, build, optimizer
+
+MODES = ("psum", "blink", "switch", "none")
+
+
+def build_loss(model: str):
+    return MODELS[model][1]
+
+
+def switch_available() -> bool:
+    import jax_blink
+    return hasattr(jax_blink, "installed")
+
+
+def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Array], jax.Array]:
+    """The sum over ``axis`` of one bucket, as ``mode`` computes it.
+
+    ``stream`` (``blink`` only, experimental): lower each call inside
+    ``compute_on2(compute_type="gpu_stream:<stream>")``, which XLA:GPU runs as an asynchronous
+    call on that stream (``--xla_gpu_experimental_stream_annotation``), so that it may overlap the
+    computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
+    if stream is not None and mode != "blink":
+        raise ValueError(f"stream= applies to the blink mode only, not {mode!r}")
+    if mode in ("psum", "switch"):
+        return lambda buf: lax.psum(buf, axis)
+    if mode == "blink" and stream is not None:
+        try:
+            from jax.experimental.compute_on import compute_on2
+        except ImportError:
+            raise NotImplementedError(
+                f"stream= needs jax.experimental.compute_on.compute_on2, which jax {jax.__version__} does not "
+                "have (jax 0.10.2 does); run without a stream annotation") from None
+        on_stream = compute_on2(lambda buf: all_reduce(buf, axis), compute_type=f"gpu_stream:{stream}",
+                                out_memory_spaces=jax.memory.Space.Device)
+        return on_stream
+    if mode == "blink":
+        return lambda buf: all_reduce(buf, axis)
+    if mode == "none":
+        return lambda buf: buf
+    raise ValueError(f"unknown collective mode {mode!r}; one of {MODES}")
+
+
+@contextlib.contextmanager
+def lowering_context(mode: str, dispatch: str = "blink"):
+    """What must be in force while a mode's step is traced and lowered: the dispatch option for
+    jax_blink's calls (``blink`` runs the executor even where ``auto`` would pick psum: on CPU host
+    devices it picks psum at 4 and 8 ranks), and the switch for ``switch``."""
+    if mode in ("psum", "none"):
+        yield
+        return
+    with override(dispatch=dispatch):
+        if mode == "switch":
+            if not switch_available():
+                raise RuntimeError("--collective switch needs jax_blink.installed() (the switch of "
+                                   "issue 15), which this jax_blink does not have")
+            import jax_blink
+            with jax_blink.installed():
+                yield
+        else:
+            yield
+
+
+class DataParallel:
+    """A model, its optimizer, synthetic data, and the step of each mode over ``mesh[axis]``."""
+
+    def __init__(self, model: str, cfg, mesh: jax.sharding.Mesh, axis: str = "data", *,
+                 bucket_bytes: int = _buckets.DEFAULT_BUCKET_BYTES,
+                 first_bucket_bytes: int | None = _buckets.DEFAULT_FIRST_BUCKET_BYTES,
+                 seed: int = 0, lr: float | None = None, data_batches: int = 4,
+                 dispatch: str = "blink", compiler_options: dict | None = None,
+                 stream: int | None = None):
+        self.model_name, self.cfg, self.mesh, self.axis = model, cfg, mesh, axis
+        self.n = mesh.shape[axis]
+        self.dispatch = dispatch
+        self.stream = stream  # the blink mode's experimental stream annotation (reducer())
+        self.compiler_options = compiler_options  # for the steps' compiles (tests: less optimisation)
+        self.tx = optimizer(model, lr)
+        self.loss_fn = build_loss(model)
+
+        def init():
+            # Parameters are differentiated; BatchNorm's statistics are carried; nothing else is
+            # expected (nnx.split refuses state that neither filter takes).
+            _, params, stats = nnx.split(build(model, cfg, seed)[0], nnx.Param, nnx.BatchStat)
+            return {"params": params, "stats": stats, "opt": self.tx.init(params)}
+
+        # Built inside one jitted program, compiled without optimisation: it runs once, and XLA:CPU
+        # spent 70 s optimising the random initialisers of the tiny ResNet on a loaded 2-core
+        # machine (4.5 s at level 0); eager initialisation compiles one program per initialiser.
+        self.graphdef = nnx.split(nnx.eval_shape(lambda: build(model, cfg, seed)[0]),
+                                  nnx.Param, nnx.BatchStat)[0]
+        self.state0 = jax.jit(init, out_shardings=NamedSharding(mesh, P())).lower().compile(
+            compiler_options={"xla_backend_optimization_level": 0})()
+        self.layout = _buckets.BucketLayout.of(
+            {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
+            first_bucket_bytes)
+        sharded = NamedSharding(mesh, P(axis))
+        self.batches = [jax.device_put(b, sharded)
+                        for b in _data.batches(model, cfg, cfg.batch * self.n, data_batches, seed)]
+        self._compiled: dict[str, object] = {}
+
+    @property
+    def param_count(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state0["params"]))
+
+    def step_fn(self, mode: str):
+        """The jitted data-parallel step ``(state, batch) -> (state, per-device losses)`` of
+        ``mode`` (not yet traced: see :func:`lowering_context`)."""
+        reduce_bucket = reducer(mode, self.axis, self.stream if mode == "blink" else None)
+        graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
+                                                  self.axis, self.n)
+        # `none` leaves each device's parameters its own: shard_map may not check replication.
+        check = mode != "none"
+
+        def local_step(state, batch):
+            params = state["params"]
+            # Differentiate with respect to this device's copy: its gradient is local (with the
+            # parameters left invariant, jax's transpose would insert an all-reduce of its own,
+            # one per leaf, before ours).
+            mine = jax.tree.map(lambda p: lax.pcast(p, axis, to="varying"), params) if check else params
+
+            def loss_of(p):
+                # copy: BatchNorm updates its statistics in place, inside this trace.
+                model = nnx.merge(graphdef, p, state["stats"], copy=True)
+                loss = loss_fn(model, batch)
+                return loss, nnx.state(model, nnx.BatchStat)
+
+            (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
+            # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
+            summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
+                                       ordered=mode == "blink")
+            grads, stats = jax.tree.map(lambda v: v / n, (summed["grads"], summed["stats"]))
+            updates, opt = tx.update(grads, state["opt"], params)
+            return ({"params": optax.apply_updates(params, updates), "stats": stats, "opt": opt},
+                    loss.reshape(1))
+
+        return jax.jit(jax.shard_map(local_step, mesh=self.mesh, in_specs=(P(), P(axis)),
+                                     out_specs=(P(), P(axis)), check_vma=check))
+
+    def compiled(self, mode: str):
+        """The compiled step of ``mode`` (lowered under the mode's context, cached)."""
+        if mode not in self._compiled:
+            with lowering_context(mode, self.dispatch):
+                self._compiled[mode] = self.step_fn(mode).lower(self.state0, self.batches[0]).compile(
+                    compiler_options=self.compiler_options)
+        return self._compiled[mode]
+
+    def run(self, mode: str, steps: int, on_step: Callable[[int, float], None] | None = None):
+        """``steps`` steps from the initial state: (final state, mean loss of each step)."""
+        step = self.compiled(mode)
+        state, losses = self.state0, []
+        for i in range(steps):
+            state, per_device = step(state, self.batches[i % len(self.batches)])
+            losses.append(float(jnp.mean(per_device)))
+            if on_step is not None:
+                on_step(i, losses[-1])
+        return state, losses
+
+    def collectives_in(self, mode: str) -> dict[str, int]:
+        """How many all-reduces and jax_blink custom calls the compiled step of ``mode`` has."""
+        text = self.compiled(mode).as_text()
+        return {"all-reduce": len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+                "jax_blink": len(re.findall(r'custom_call_target="jax_blink_collective', text))}

@@ -1,0 +1,208 @@
+"""Data-parallel training (jax_blink.tools.train) and gradient buckets (jax_blink.api.buckets), on 8 CPU
+host devices: psum, explicit jax_blink calls and the switch train tiny models to the same losses
+and parameters."""
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_blink.api import buckets
+from jax_blink.switch import merge
+from jax_blink.options import config, override
+
+pytest.importorskip("flax", reason="the train extra is not installed (pip install -e '.[train]')")
+pytest.importorskip("optax", reason="the train extra is not installed (pip install -e '.[train]')")
+
+from jax_blink.tools.train import __main__ as cli  # noqa: E402
+from jax_blink.tools.train.models import SIZES  # noqa: E402
+from jax_blink.tools.train.step import DataParallel, switch_available  # noqa: E402
+
+N = 8
+if jax.default_backend() != "cpu":
+    # Training on 8 CPU host devices; on a GPU machine `python -m jax_blink.tools.train` is the run.
+    pytest.skip("these tests train on 8 CPU host devices; this process's default devices are "
+                f"{jax.default_backend()}", allow_module_level=True)
+FAST = {"xla_backend_optimization_level": 0}  # the same for every mode: compiles in a third of the time
+
+
+def _tree(rng):
+    """Leaves of mixed sizes and two dtypes, random values."""
+    return {"a": rng.standard_normal((300,)).astype(np.float32),
+            "b": [rng.standard_normal((17, 9)).astype(np.float32), rng.integers(-9, 9, (5,)).astype(np.int32)],
+            "c": rng.standard_normal((4, 4, 40)).astype(np.float32),
+            "d": rng.standard_normal(()).astype(np.float32)}
+
+
+def test_bucket_layout_is_ddps_and_round_trips():
+    tree = _tree(np.random.default_rng(0))
+    layout = buckets.BucketLayout.of(tree, bucket_bytes=1024, first_bucket_bytes=256)
+    leaves = jax.tree.leaves(tree)
+    # Every leaf exactly once, in reverse leaf order within each dtype, never split.
+    order = [s.leaf for b in layout.buckets for s in b.slots]
+    assert sorted(order) == list(range(len(leaves)))
+    for dtype in {np.dtype(np.float32), np.dtype(np.int32)}:
+        mine = [s.leaf for b in layout.buckets if b.dtype == dtype for s in b.slots]
+        assert mine == sorted(mine, reverse=True)
+    # A bucket closes once it reaches its cap: without its last leaf it is under the cap.
+    for i, b in enumerate(layout.buckets[:-1]):
+        cap = 256 if i == 0 else 1024
+        if b.nbytes >= cap:
+            assert (b.size - b.slots[-1].size) * b.dtype.itemsize < cap
+    assert layout.buckets[0].nbytes >= 256 and layout.buckets[0].slots[0].leaf == len(leaves) - 1
+    assert len(layout.buckets) >= 3
+    back = layout.unpack(layout.pack(tree))
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
+        assert x.dtype == y.dtype and np.array_equal(x, np.asarray(y))
+    assert "bucket 0" in layout.describe()
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        buckets.BucketLayout.of(tree, bucket_bytes=0)
+    with pytest.raises(ValueError, match="leaf"):
+        layout.pack({**tree, "a": tree["a"][:10]})
+
+
+def test_bucketed_all_reduce_equals_psum_per_leaf():
+    rng = np.random.default_rng(1)
+    per_rank = [_tree(rng) for _ in range(N)]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *per_rank)
+    mesh = jax.make_mesh((N,), ("data",))
+    x = jax.device_put(stacked, NamedSharding(mesh, P("data")))
+    layout = buckets.BucketLayout.of(per_rank[0], bucket_bytes=1024, first_bucket_bytes=256)
+
+    def body(t):
+        t = jax.tree.map(lambda v: v[0], t)
+        return (jax.tree.map(lambda v: v[None], buckets.bucketed_all_reduce(t, "data", layout=layout)),
+                jax.tree.map(lambda v: v[None], jax.tree.map(lambda v: lax.psum(v, "data"), t)))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    with override(dispatch="blink"):
+        ours, ref = f(x)
+        text = f.lower(x).as_text()
+    assert text.count("jax_blink_collective") == len(layout.buckets)
+    # The calls in bucket order (tests/unit/test_ordering.py checks the chain in the compiled program).
+    assert text.count("@jax_blink_after(") >= len(layout.buckets) - 1
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert (a == a[:1]).all()  # every rank the same bits
+
+
+def test_stream_annotation_wraps_the_call_and_keeps_the_result():
+    """--stream (experimental): the call is lowered inside a call annotated for an XLA:GPU stream;
+    XLA:CPU ignores the annotation, so here the result must simply be the sum."""
+    from jax_blink.tools.train.step import reducer
+    try:
+        from jax.experimental.compute_on import compute_on2  # noqa: F401
+    except ImportError:  # jax 0.11.2 (the GPU machines): a clear error, not an ImportError
+        with pytest.raises(NotImplementedError, match="compute_on2.*run without a stream annotation"):
+            reducer("blink", "data", stream=1)
+        return
+    mesh = jax.make_mesh((N,), ("data",))
+    f = jax.jit(jax.shard_map(reducer("blink", "data", stream=1), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    x = np.random.default_rng(2).standard_normal((N, 64)).astype(np.float32)
+    xs = jax.device_put(x.reshape(-1), NamedSharding(mesh, P("data")))
+    with override(dispatch="blink"):
+        text = f.lower(xs).as_text()
+        out = f(xs)
+    assert '_xla_stream_annotation = "1"' in text and "jax_blink_collective" in text
+    np.testing.assert_allclose(np.asarray(out), x.sum(0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="blink"):
+        reducer("psum", "data", stream=1)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "resnet"])
+def test_psum_blink_and_switch_train_alike(model):
+    assert switch_available(), "jax_blink.installed() (the switch) is missing"
+    mesh = jax.make_mesh((N,), ("data",))
+    # Caps small enough for several buckets (the ResNet's BatchNorm statistics travel in them).
+    dp = DataParallel(model, SIZES[model]["tiny"], mesh, bucket_bytes=32 << 10,
+                      first_bucket_bytes=4 << 10, compiler_options=FAST)
+    assert len(dp.layout.buckets) >= 3
+    steps = 3
+    # `none` (the step without its all-reduce) on one model only: each mode is a compile (CI time).
+    modes = ("psum", "blink", "switch") + (("none",) if model == "gpt2" else ())
+    states, losses = {}, {}
+    for mode in modes:
+        states[mode], losses[mode] = dp.run(mode, steps)
+    # What each program runs: XLA's all-reduce (it may combine the buckets), or one jax_blink call
+    # per bucket, or the switch's merged calls (the buckets' psums are adjacent: one call per dtype
+    # up to jax_blink.config.merge_bytes, as XLA's combiner joins them), or nothing.
+    count = {m: dp.collectives_in(m) for m in modes}
+    assert count["psum"]["all-reduce"] >= 1 and count["psum"]["jax_blink"] == 0
+    assert count["blink"] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, count["blink"]
+    merged = merge.merge_groups([jax.ShapeDtypeStruct((b.size,), b.dtype) for b in dp.layout.buckets],
+                                config.merge_bytes)
+    assert count["switch"] == {"all-reduce": 0, "jax_blink": len(merged)}, count["switch"]
+
+    for mode in ("blink", "switch"):
+        np.testing.assert_allclose(losses[mode], losses["psum"], rtol=2e-5, err_msg=mode)
+        for path, a, b in zip(jax.tree_util.tree_flatten_with_path(states[mode])[0],
+                              jax.tree.leaves(states[mode]), jax.tree.leaves(states["psum"])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6,
+                                       err_msg=f"{mode} {jax.tree_util.keystr(path[0])}")
+        # Replicated: every device holds the same parameters.
+        for leaf in jax.tree.leaves(states[mode]["params"]):
+            shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+            assert all(np.array_equal(shards[0], s) for s in shards[1:])
+    assert losses["psum"][0] != losses["psum"][2]  # training moves
+    if "none" in modes:  # and the collective matters: without it the later losses differ
+        assert count["none"] == {"all-reduce": 0, "jax_blink": 0}
+        assert losses["none"][0] == pytest.approx(losses["psum"][0], rel=1e-6)
+        assert abs(losses["none"][2] - losses["psum"][2]) > 1e-4
+
+
+def test_cli_trains_and_writes_results(tmp_path, capsys):
+    rc = cli.main(["--model", "gpt2", "--collective", "switch", "--steps", "3", "--layers", "1",
+                   "--width", "16", "--timing-runs", "2", "--bucket-mb", "0.01", "--first-bucket-mb",
+                   "0.002", "--quick-compile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    steps = [line.split() for line in out.splitlines() if re.match(r"step \d+ loss ", line)]
+    assert [s[1] for s in steps] == ["0", "1", "2"] and all(s[2] == "loss" for s in steps)
+    for label in ("psum (XLA all-reduce)", "psum under the switch", "no all-reduce", "collectives"):
+        assert label in out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
+    assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
+    assert set(record["timing"]["modes"]) == {"psum", "switch", "none"}
+    # The buckets' adjacent psums (float32, far below jax_blink.config.merge_bytes): one merged call.
+    assert record["timing"]["modes"]["switch"]["jax_blink_calls"] == 1 and len(record["buckets"]) > 1
+    assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", "vgg"], "--model"),
+    (["--model", "gpt2", "--collective", "nccl"], "--collective"),
+    (["--model", "gpt2", "--steps", "0"], "--steps"),
+    (["--model", "gpt2", "--size", "huge"], "--size"),
+    (["--model", "gpt2", "--bucket-mb", "-1"], "--bucket-mb"),
+    (["--model", "gpt2", "--bucket-mb", "nan"], "--bucket-mb"),
+    (["--model", "resnet", "--heads", "4"], "--heads"),
+    (["--model", "gpt2", "--image-size", "32"], "--image-size"),
+    (["--model", "gpt2", "--width", "30", "--heads", "4"], "--width"),
+    (["--model", "gpt2", "--timing-runs", "-1"], "--timing-runs"),
+    (["--model", "gpt2", "--first-bucket-mb", "30"], "--first-bucket-mb"),
+    (["--steps", "3"], "--model"),
+    (["--model", "gpt2", "--stream", "1"], "--stream"),  # CPU host devices: no streams
+])
+def test_cli_bad_flags_are_usage_errors(argv, flag, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_gpt2_example_trains(capsys):
+    """examples/train_gpt2.py, the step written out by hand, runs and its loss falls."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_gpt2.py"
+    spec = importlib.util.spec_from_file_location("train_gpt2_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with override(dispatch=config.dispatch):  # the example sets config.dispatch: restored after
+        example.main(["--steps", "3", "--bucket-mb", "0.05"])
+    losses = [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)$", capsys.readouterr().out, re.M)]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and losses[2] < losses[0]
+

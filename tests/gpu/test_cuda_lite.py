@@ -68,7 +68,7 @@ def test_register_call_site_is_idempotent_and_refuses_a_changed_site():
 
 def test_full_binding_variable_is_checked(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_FULL_BINDING", "maybe")
-    with pytest.raises(ValueError, match="JAX_BLINK_FULL_BINDING='maybe' is not understood"):
+    with pytest.raises(ValueError, match="JAX_BLINK_FULL_BINDING='maybe' in the environment: not 0 or 1"):
         custom_call._light_binding("gpu")
     monkeypatch.setenv("JAX_BLINK_FULL_BINDING", "1")
     assert not custom_call._light_binding("gpu")

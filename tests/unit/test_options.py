@@ -31,6 +31,7 @@ GOOD = {
     "dispatch": [("auto", "auto"), ("blink", "blink"), ("lax", "lax")],
     "fallback": [("warn", "warn"), ("raise", "raise"), ("silent", "silent")],
     "command_buffers": [(True, True), (False, False), (np.bool_(True), True)],
+    "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
 }
 BAD = [
     ("timeout_s", "abc", TypeError, "number of seconds"),
@@ -57,6 +58,10 @@ BAD = [
     ("fallback", 1, TypeError, "'warn', 'raise', 'silent'"),
     ("command_buffers", 1, TypeError, "True or False"),
     ("command_buffers", "yes", TypeError, "True or False"),
+    ("merge_bytes", -1, ValueError, ">= 0"),
+    ("merge_bytes", 1.5, TypeError, "whole number of bytes"),
+    ("merge_bytes", True, TypeError, "whole number of bytes"),
+    ("merge_bytes", "25M", TypeError, "whole number of bytes"),
 ]
 
 
@@ -95,7 +100,7 @@ def test_the_issue_cases_on_jax_blink_config():
         config.dispatch = "fast"
     with pytest.raises(ValueError, match="chunk_bytes must be >= 16 bytes .*got -5"):
         config.chunk_bytes = -5
-    with pytest.raises(AttributeError, match="no option 'foo'; the options are: timeout_s, chunk_bytes, "
+    with pytest.raises(AttributeError, match="no option 'foo'; the options are: timeout_s, chunk_bytes, merge_bytes, "
                                              "fallback, command_buffers, dispatch"):
         config.foo = 1
     with pytest.raises(AttributeError, match=r"no option 'timout_s' \(did you mean 'timeout_s'\?\)"):
@@ -148,6 +153,8 @@ def test_options_from_the_environment():
     assert options._from_env({k: "" for k in env}) == options.Options()
     for text, want in (("1", True), ("yes", True), ("off", False), ("0", False)):
         assert options._from_env({"JAX_BLINK_COMMAND_BUFFERS": text}).command_buffers is want
+    assert options._from_env({"JAX_BLINK_MERGE_BYTES": "0"}).merge_bytes == 0
+    assert options._from_env({"JAX_BLINK_MERGE_BYTES": "4M"}).merge_bytes == 4 << 20
 
 
 @pytest.mark.parametrize("name,text,words", [
@@ -165,6 +172,7 @@ def test_options_from_the_environment():
     ("JAX_BLINK_DISPATCH", "fast", "dispatch must be one of"),
     ("JAX_BLINK_FALLBACK", "loud", "fallback must be one of"),
     ("JAX_BLINK_COMMAND_BUFFERS", "maybe", "not 1/true/yes/on or 0/false/no/off"),
+    ("JAX_BLINK_MERGE_BYTES", "-1", "not a byte count"),
 ])
 def test_a_bad_environment_value_names_the_variable(name, text, words):
     with pytest.raises(ValueError) as info:

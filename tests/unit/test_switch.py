@@ -449,7 +449,7 @@ def test_dispatch_table_sizes_go_to_xla():
 
 
 def test_platform_without_executor_goes_to_xla(monkeypatch):
-    monkeypatch.setattr(switch._backends, "register", lambda platform: False)
+    monkeypatch.setattr(_backends, "register", lambda platform: False)
     monkeypatch.setattr(jax_blink.config, "fallback", "silent")
     mesh = _mesh()
     x = _put(mesh, _rand(21, (N, 4)), P("x"))

@@ -1,0 +1,28 @@
+"""``python -m jax_blink env``: the report works on this machine (CPU host devices here, GPUs
+where there are some) and says what each section is."""
+import jax
+
+from jax_blink.tools import env_report
+
+
+def test_the_report_names_versions_executors_devices_and_decisions():
+    text = env_report.report()
+    for title in ("== Versions", "== Executors in this build", "== GPUs", "== Links between",
+                  "== Peer access", "== What jax_blink would run here", "== Environment"):
+        assert title in text, title
+    assert f"jax            {jax.__version__}" in text
+    assert "CPU executor   built" in text
+    n = len(jax.devices())
+    if jax.devices()[0].platform == "cpu" and n > 1:
+        assert f"{n} x cpu, float32" in text
+        # every decision names where the call runs and why
+        rows = [line for line in text.splitlines() if "bytes per rank:" in line]
+        assert len(rows) == 9 and all("(dispatch=" in r for r in rows)
+
+
+def test_a_failing_probe_is_reported_not_raised(monkeypatch):
+    def broken(devices):
+        raise RuntimeError("NVML exploded")
+
+    monkeypatch.setattr(env_report, "_links", broken)
+    assert "unknown (RuntimeError: NVML exploded)" in env_report.report()

@@ -17,6 +17,7 @@ import warnings
 
 import jax.numpy as jnp
 
+from jax_blink.options import env_value
 from jax_blink.planning.schedule import ALIGN_BYTES
 
 CACHE_ENV = "JAX_BLINK_TUNING_CACHE"
@@ -33,8 +34,8 @@ _loaded_from: str | None = None
 
 def cache_path() -> str:
     """Where the cache file is: ``$JAX_BLINK_TUNING_CACHE`` or ``~/.cache/jax_blink/chunks.json``."""
-    return os.environ.get(CACHE_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "jax_blink", "chunks.json")
+    default = os.path.join(os.path.expanduser("~"), ".cache", "jax_blink", "chunks.json")
+    return env_value(CACHE_ENV, os.path.expanduser, "a file path", default=default)
 
 
 def size_class(nbytes: int) -> int:

@@ -207,6 +207,7 @@ def cited_paths(text: str, doc: Path) -> list[tuple[str, list[Path]]]:
     for block, span in _CODE.findall(text):
         for word in (block or span).split():
             word = word.strip("\"'(),;:.")
+            word = word.split("::")[0]  # a pytest node id cites its file
             if word.startswith(_TOP) or word in _TOP_FILES:
                 out.append((word, [ROOT / w for w in _expand_braces(word)]))
     return out

@@ -1,5 +1,5 @@
 """Gradient buckets: a pytree of arrays packed into a few flat buffers, the way PyTorch's
-DistributedDataParallel packs gradients, so that each all-reduce moves many bytes at once.
+DistributedDataParallel packs gradients, so that each all-reduce moves many bytes at once::
 
     layout = BucketLayout.of(grads, bucket_bytes=25 << 20)
     grads = bucketed_all_reduce(grads, "data", layout=layout)      # one call per bucket
@@ -26,7 +26,15 @@ from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """Where one leaf of the tree lies in its bucket."""
+    """Where one leaf of the tree lies in its bucket.
+
+    Attributes:
+        leaf: The leaf's index in the tree's leaf order.
+        path: The leaf's key path, for people.
+        shape: The leaf's shape.
+        offset: Its first element in the bucket.
+        size: Its number of elements.
+    """
 
     leaf: int           # index in the tree's leaf order
     path: str           # the leaf's key path, for people
@@ -37,21 +45,37 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
+    """One flat buffer of leaves of one dtype.
+
+    Attributes:
+        dtype: The dtype of every leaf in it.
+        slots: Where each of its leaves lies, in order.
+    """
+
     dtype: np.dtype
     slots: tuple[Slot, ...]
 
     @property
     def size(self) -> int:
+        """Elements in the bucket."""
         return sum(s.size for s in self.slots)
 
     @property
     def nbytes(self) -> int:
+        """Bytes in the bucket."""
         return self.size * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """Which leaf of a pytree goes into which flat buffer (see the module's docstring)."""
+    """Which leaf of a pytree goes into which flat buffer (see the module's docstring).
+
+    Attributes:
+        treedef: The tree's structure.
+        buckets: The buckets, in the order their all-reduces run.
+        bucket_bytes: The cap of every bucket but the first.
+        first_bucket_bytes: The first bucket's cap.
+    """
 
     treedef: Any
     buckets: tuple[Bucket, ...]
@@ -61,8 +85,21 @@ class BucketLayout:
     @classmethod
     def of(cls, tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES) -> "BucketLayout":
-        """The layout of ``tree`` (arrays or anything with ``shape`` and ``dtype``, e.g.
-        ``jax.ShapeDtypeStruct``); ``first_bucket_bytes=None`` gives every bucket the same cap."""
+        """The layout of a pytree, bucketed as DDP buckets gradients.
+
+        Args:
+            tree: A pytree of arrays, or of anything with ``shape`` and ``dtype`` (e.g.
+                ``jax.ShapeDtypeStruct``).
+            bucket_bytes: A bucket is closed once it holds at least this many bytes (default 25 MiB).
+            first_bucket_bytes: The first bucket's cap (default 1 MiB); None gives every bucket
+                the same cap.
+
+        Returns:
+            The layout.
+
+        Raises:
+            ValueError: A cap is not a positive number of bytes.
+        """
         if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
         first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
@@ -89,16 +126,25 @@ class BucketLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes in all buckets."""
         return sum(b.nbytes for b in self.buckets)
 
     def pack(self, tree) -> list[jax.Array]:
-        """The tree's leaves as one flat array per bucket."""
+        """The tree's leaves as one flat array per bucket.
+
+        Raises:
+            ValueError: The tree's structure, a leaf's shape or its dtype differs from the layout's.
+        """
         leaves = self._leaves(tree)
         return [jnp.concatenate([jnp.ravel(leaves[s.leaf]) for s in b.slots]) if len(b.slots) > 1
                 else jnp.ravel(leaves[b.slots[0].leaf]) for b in self.buckets]
 
     def unpack(self, buffers) -> Any:
-        """The inverse of :meth:`pack`."""
+        """The inverse of :meth:`pack`: the tree back from one flat array per bucket.
+
+        Raises:
+            ValueError: The number of buffers is not the number of buckets.
+        """
         if len(buffers) != len(self.buckets):
             raise ValueError(f"expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves: list = [None] * self.treedef.num_leaves
@@ -147,11 +193,21 @@ def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
              ordered: bool = False):
     """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer).
 
-    ``ordered``: each bucket's call waits for the previous one's result, so that every device runs
-    them in bucket order. jax_blink's calls need it: they block until their peers arrive, and
-    XLA:CPU may run independent calls at once in an order of its choosing per device, which can
-    leave two devices waiting on each other. On CPU the wait is the executor's ``jax_blink_after``
-    call (XLA:CPU's compiler removes ``optimization_barrier``s); elsewhere a barrier."""
+    Args:
+        tree: A pytree of arrays.
+        reduce_bucket: What to do with each bucket's flat buffer (e.g. an all-reduce).
+        layout: The layout (default: ``BucketLayout.of(tree, bucket_bytes)``).
+        bucket_bytes: The bucket cap when no layout is given.
+        ordered: Each bucket's call waits for the previous one's result, so that every device
+            runs them in bucket order. jax_blink's calls need it: they block until their peers
+            arrive, and XLA:CPU may run independent calls at once in an order of its choosing per
+            device, which can leave two devices waiting on each other. On CPU the wait is the
+            executor's ``jax_blink_after`` call (XLA:CPU's compiler removes optimization
+            barriers); elsewhere a barrier.
+
+    Returns:
+        A pytree of ``tree``'s structure.
+    """
     layout = layout or BucketLayout.of(tree, bucket_bytes)
     outs: list[jax.Array] = []
     for buf in layout.pack(tree):
@@ -172,8 +228,18 @@ def _wait_for(buf: jax.Array, prev: jax.Array) -> jax.Array:
 
 def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, **kwargs):
-    """``jax_blink.all_reduce`` (sum) of every leaf of ``tree``, one call per bucket, in bucket
-    order; keyword arguments go to :func:`jax_blink.all_reduce`."""
+    """Sum every leaf of ``tree`` over ``axis_name`` with :func:`jax_blink.all_reduce`, one call per bucket.
+
+    Args:
+        tree: A pytree of arrays (e.g. gradients), inside ``shard_map`` or ``pmap``.
+        axis_name: The mesh axis (or tuple of axes) to sum over.
+        layout: The layout (default: ``BucketLayout.of(tree, bucket_bytes)``).
+        bucket_bytes: The bucket cap when no layout is given.
+        **kwargs: Passed to :func:`jax_blink.all_reduce` (``topology``, ``method``).
+
+    Returns:
+        The summed pytree; the calls run in bucket order.
+    """
     from jax_blink.api.collectives import all_reduce
     return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
                     ordered=True)

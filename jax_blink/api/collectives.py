@@ -95,12 +95,38 @@ def _run(what: str, x, n: int, forward, reference, *, axes: tuple[str, ...] = ()
 
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | None = None,
                method: str = "exact"):
-    """Drop-in for ``lax.psum`` (``op="sum"``), ``lax.pmax`` and ``lax.pmin``.
+    """Reduce ``x`` over the ranks of a mesh axis: drop-in for ``lax.psum``, ``lax.pmax``, ``lax.pmin``.
 
-    Call inside ``jax.shard_map`` or ``jax.pmap``. ``topology`` overrides discovery (its device
-    count must equal the axis size); ``method`` picks the tree-packing solver ("exact" or "mwu").
-    Where XLA's own collective was measured faster for this size on this machine
-    (:mod:`jax_blink.lowering.dispatch_table`), the call goes to ``lax`` (``config.dispatch`` changes that).
+    Call inside ``jax.shard_map`` or ``jax.pmap`` (under ``jit``). Every rank gets the same result,
+    bit for bit. Where XLA's own collective was measured faster for this collective, size and
+    dtype on this kind of machine (:mod:`jax_blink.lowering.dispatch_table`), the call goes to
+    ``lax`` instead (``jax_blink.config.dispatch = "blink"`` runs the executor anyway); where no
+    executor can run it, ``jax_blink.config.fallback`` says what happens. Gradients are ``lax``'s.
+
+    Args:
+        x: This rank's operand: float32, bfloat16, float16 or int32 (float64 and int64 with
+            ``jax_enable_x64``).
+        axis_name: A mesh axis name, or a tuple of names (the ranks of all of them).
+        op: ``"sum"``, ``"max"`` or ``"min"``.
+        topology: The links of the axis's devices to plan on (default: discovered, or the
+            platform's uniform graph); its device count must equal the axis size.
+        method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
+            (the paper's multiplicative weights).
+
+    Returns:
+        An array of ``x``'s shape and dtype: the reduction over the axis, as ``lax`` gives it.
+
+    Raises:
+        TypeError: ``x``'s dtype is not one the executors take.
+        ValueError: ``op`` is not one of the three; or, with ``fallback="raise"``, no executor
+            can run the call (the message says why).
+
+    Example::
+
+        @jax.jit
+        @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P())
+        def step(g):
+            return jax_blink.all_reduce(g, "data")   # where you wrote lax.psum(g, "data")
     """
     _check_dtype(x)
     opcode = _check_op(op)
@@ -130,7 +156,27 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
 
 def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | None = None,
               method: str = "exact"):
-    """Every rank gets rank ``root``'s ``x`` (the same as ``lax.psum`` of ``x`` masked to root)."""
+    """Give every rank of the axis rank ``root``'s ``x``.
+
+    The same result as ``lax.psum`` of ``x`` masked to ``root``, over trees that carry one copy.
+    Call inside ``jax.shard_map`` or ``jax.pmap``.
+
+    Args:
+        x: This rank's operand (only ``root``'s is read): a dtype :func:`all_reduce` takes.
+        axis_name: A mesh axis name, or a tuple of names.
+        root: The rank whose ``x`` every rank gets, in ``[0, axis size)``.
+        topology: The links of the axis's devices to plan on (default: discovered, or the
+            platform's uniform graph); its device count must equal the axis size.
+        method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
+            (the paper's multiplicative weights).
+
+    Returns:
+        ``root``'s ``x``, on every rank.
+
+    Raises:
+        TypeError: ``x``'s dtype is not one the executors take.
+        ValueError: ``root`` is not a rank of the axis.
+    """
     _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)
@@ -152,7 +198,27 @@ def broadcast(x, axis_name: AxisName, *, root: int = 0, topology: Topology | Non
 
 def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
            topology: Topology | None = None, method: str = "exact"):
-    """Rank ``root`` gets the reduction of every rank's ``x``; every other rank gets its ``x`` back."""
+    """Reduce every rank's ``x`` to rank ``root``.
+
+    Call inside ``jax.shard_map`` or ``jax.pmap``.
+
+    Args:
+        x: This rank's operand: a dtype :func:`all_reduce` takes.
+        axis_name: A mesh axis name, or a tuple of names.
+        root: The rank that gets the reduction, in ``[0, axis size)``.
+        op: ``"sum"``, ``"max"`` or ``"min"``.
+        topology: The links of the axis's devices to plan on (default: discovered, or the
+            platform's uniform graph); its device count must equal the axis size.
+        method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
+            (the paper's multiplicative weights).
+
+    Returns:
+        On ``root``, the reduction of every rank's ``x``; on every other rank, its own ``x``.
+
+    Raises:
+        TypeError: ``x``'s dtype is not one the executors take.
+        ValueError: ``root`` is not a rank of the axis, or ``op`` not one of the three.
+    """
     _check_dtype(x)
     opcode = _check_op(op)
     axes = axes_of(axis_name)
@@ -180,7 +246,29 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
                topology: Topology | None = None, method: str = "exact"):
-    """Drop-in for ``lax.all_gather``: every rank's ``x`` stacked (or, tiled, concatenated)."""
+    """Gather every rank's ``x`` on every rank: drop-in for ``lax.all_gather``.
+
+    Call inside ``jax.shard_map`` or ``jax.pmap``.
+
+    Args:
+        x: This rank's operand: a dtype :func:`all_reduce` takes.
+        axis_name: A mesh axis name, or a tuple of names.
+        axis: Where the ranks' operands go in the result (a new dimension, or with ``tiled`` the
+            dimension they are concatenated along).
+        tiled: Concatenate along ``axis`` instead of stacking in a new dimension.
+        topology: The links of the axis's devices to plan on (default: discovered, or the
+            platform's uniform graph); its device count must equal the axis size.
+        method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
+            (the paper's multiplicative weights).
+
+    Returns:
+        The operands of all ranks in rank order, as ``lax.all_gather(x, axis_name, axis=axis,
+        tiled=tiled)`` gives them.
+
+    Raises:
+        TypeError: ``x``'s dtype is not one the executors take.
+        ValueError: ``axis`` is out of range for the result.
+    """
     _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)
@@ -221,7 +309,28 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
                    topology: Topology | None = None, method: str = "exact"):
-    """Drop-in for ``lax.psum_scatter``: rank k gets block k of the sum."""
+    """Sum ``x`` over the axis and give rank k block k of the sum: drop-in for ``lax.psum_scatter``.
+
+    Call inside ``jax.shard_map`` or ``jax.pmap``.
+
+    Args:
+        x: This rank's operand: a dtype :func:`all_reduce` takes.
+        axis_name: A mesh axis name, or a tuple of names.
+        scatter_dimension: The dimension of ``x`` split into the ranks' blocks.
+        tiled: Blocks of ``x.shape[scatter_dimension] / n`` rows kept as a dimension (else that
+            dimension must equal the axis size ``n`` and is dropped).
+        topology: The links of the axis's devices to plan on (default: discovered, or the
+            platform's uniform graph); its device count must equal the axis size.
+        method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
+            (the paper's multiplicative weights).
+
+    Returns:
+        This rank's block of the sum, as ``lax.psum_scatter`` gives it.
+
+    Raises:
+        TypeError: ``x``'s dtype is not one the executors take.
+        ValueError: ``scatter_dimension`` is out of range, or its size does not fit the axis size.
+    """
     _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)
@@ -265,7 +374,17 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 
 
 def backends() -> dict[str, bool]:
-    """Which executors this build has (``{"cpu": ..., "gpu": ...}``)."""
+    """Which executors this installation has.
+
+    Returns:
+        ``{"cpu": bool, "gpu": bool}``: whether the CPU executor and the CUDA executor were built
+        and load.
+
+    Example::
+
+        >>> jax_blink.backends()
+        {'cpu': True, 'gpu': False}
+    """
     return _backends.available()
 
 

@@ -92,18 +92,40 @@ def _dispatch_line(kind: str | None, platform: str, collective: str, n: int, nby
 def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, root: int = 0,
             dtype="float32", method: str = "exact", device_kind: str | None = None,
             hosts: int = 1) -> str:
-    """Which trees a call of ``collective`` over ``nbytes`` per rank on ``topology`` will use, how the
-    data is split between them, in which chunks, and why (the plan's own explanation); which
-    executor runs them on that topology's devices, and whether the dispatch table hands the call to
-    ``lax`` instead.
+    """Say what a call would do, and why: its trees, their shares, chunks, executor and dispatch.
 
-    ``device_kind`` (e.g. ``"NVIDIA H200"``, ``"cpu"``) picks the dispatch table's entry and the
-    tuned chunk that ``config.chunk_bytes = "auto"`` reads. Default: the kind of this process's
-    devices when the topology is of their platform (CPU host devices: links of kind ``"host"``;
-    GPUs: any other), else none: a GPU preset explained on a machine without GPUs is not judged by
-    this machine's CPU measurements. ``hosts`` > 1: ``topology`` is the inside of one of that many
-    hosts, and an all-reduce, reduce-scatter or all-gather runs in phases inside and among the hosts
-    (:mod:`jax_blink.lowering.hierarchy`)."""
+    The text holds the plan's own explanation (trees, weights, rate against the bounding cut),
+    the chunks, the executor that runs it on that topology's devices (and on GPUs its kernel), the
+    host channel where it takes part, and whether the dispatch table hands the call to ``lax``.
+
+    Args:
+        topology: The devices and links of the call's axis (e.g. ``Topology.preset("dgx1v")``).
+        nbytes: Bytes of one rank's operand; a whole number of ``dtype`` elements.
+        collective: ``"allreduce"``, ``"broadcast"``, ``"reduce"``, ``"allgather"`` or
+            ``"reducescatter"``.
+        root: The root rank of a broadcast or reduce.
+        dtype: The operand's dtype (the dispatch table has entries per dtype).
+        method: The tree-packing solver, ``"exact"`` or ``"mwu"``.
+        device_kind: The kind of device whose dispatch entry and tuned chunk count (e.g.
+            ``"NVIDIA H200"``, ``"cpu"``). Default: this process's devices' kind when the topology
+            is of their platform, else none (a GPU preset explained on a machine without GPUs is
+            not judged by this machine's CPU measurements).
+        hosts: More than 1: ``topology`` is the inside of one of that many hosts, and an
+            all-reduce, reduce-scatter or all-gather runs in phases inside and among the hosts
+            (:mod:`jax_blink.lowering.hierarchy`).
+
+    Returns:
+        Several lines of text.
+
+    Raises:
+        ValueError: ``collective`` is unknown, ``nbytes`` is not a whole number of ``dtype``
+            elements, or ``root`` is not a rank of the topology.
+
+    Example::
+
+        >>> topo = jax_blink.Topology.preset("dgx1v").subset([0, 1, 4])
+        >>> print(jax_blink.explain(topo, nbytes=64 << 20))
+    """
     if collective not in _LAX_NAME:
         raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(_LAX_NAME)}")
     if hosts > 1:

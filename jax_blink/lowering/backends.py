@@ -92,17 +92,30 @@ def available() -> dict[str, bool]:
 
 
 def check() -> None:
-    """Raise RuntimeError if a GPU collective recorded a failure (a time-out, a mismatched program,
-    a peer process that skipped a call or died) since the last :func:`reset`: kernels cannot raise
-    themselves, so their failures are recorded and raised here and by the next call."""
+    """Raise the failure a GPU collective recorded since the last :func:`reset`, if any.
+
+    Kernels cannot raise: a failure inside one (a time-out, a program that differs between ranks,
+    a peer process that skipped a call or died) is recorded, and raised here and by the next call
+    of that collective. Without a CUDA executor there is nothing to check.
+
+    Raises:
+        RuntimeError: A GPU collective recorded a failure; the message names the rank, the
+            process and where it waited.
+    """
     mod = module("gpu")
     if mod is not None and hasattr(mod, "check"):
         mod.check()
 
 
 def reset() -> None:
-    """Clear every executor's recorded failures and call counts, so collectives run again after a
-    failure. Call it only while no collective runs (it raises RuntimeError if one does)."""
+    """Clear every executor's recorded failures and call counts, so collectives run again.
+
+    After a failure on a GPU, that GPU's collectives keep failing until this is called. Call it
+    only while no collective runs.
+
+    Raises:
+        RuntimeError: A collective is running.
+    """
     for platform in _MODULES:
         mod = module(platform)
         if mod is not None and hasattr(mod, "reset"):
@@ -110,8 +123,14 @@ def reset() -> None:
 
 
 def check_environment() -> None:
-    """Check the CUDA executor's ``JAX_BLINK_*`` variables as its set-up will read them (ValueError
-    naming the variable and what it takes); needs no GPU. Without a CUDA executor, nothing to check."""
+    """Check the CUDA executor's ``JAX_BLINK_*`` variables as its set-up will read them.
+
+    Needs no GPU; without a CUDA executor there is nothing to check.
+
+    Raises:
+        ValueError: A variable holds a value the executor does not take; the message names the
+            variable and what it takes.
+    """
     mod = module("gpu")
     if mod is not None and hasattr(mod, "check_environment"):
         mod.check_environment()

@@ -130,8 +130,33 @@ def _no_such_option(name: str) -> AttributeError:
 
 @dataclasses.dataclass
 class Options:
-    """The options (``jax_blink.config`` is the one in force). Every assignment is checked: a value
-    an option does not take raises TypeError/ValueError at once, an unknown name AttributeError."""
+    """jax_blink's options; ``jax_blink.config`` is the one in force.
+
+    Every assignment is checked: a value an option does not take raises TypeError or ValueError at
+    once, an unknown name AttributeError listing the options. Options are read when ``jit``
+    traces. The ``JAX_BLINK_*`` variable of each is in the options page's table.
+
+    Attributes:
+        timeout_s: Seconds every wait inside a collective may take (``JAX_BLINK_TIMEOUT_S``,
+            default 10): a rank that skipped a call gives an error naming it, never a hang.
+        chunk_bytes: The pipelining chunk in bytes (>= 16), ``"auto"`` (the tuned chunk of the
+            tuning cache) or None, the schedule's default of 512 KiB (``JAX_BLINK_CHUNK_BYTES``).
+        fallback: Where no executor can run a call: ``"warn"`` (``lax``, with one warning that
+            says why), ``"raise"`` or ``"silent"`` (``JAX_BLINK_FALLBACK``).
+        command_buffers: Lower GPU calls to the handler XLA may capture in CUDA graphs
+            (``JAX_BLINK_COMMAND_BUFFERS``, default False).
+        dispatch: ``"auto"`` (``lax`` where it was measured faster for that collective, size,
+            dtype and machine), ``"blink"`` (always the executor) or ``"lax"``
+            (``JAX_BLINK_DISPATCH``, default ``"auto"``).
+        merge_bytes: Under the switch, adjacent all-reduces of one dtype merge into calls of at
+            most this many bytes per rank; 0 turns merging off (``JAX_BLINK_MERGE_BYTES``,
+            default 25 MiB, as DDP's buckets).
+
+    Raises:
+        TypeError: An assigned value of the wrong type.
+        ValueError: An assigned value the option does not take.
+        AttributeError: A name that is not an option.
+    """
 
     timeout_s: float = 10.0
     chunk_bytes: int | str | None = None  # bytes, "auto" (tuned, jax_blink.tools.autotune) or None
@@ -234,9 +259,25 @@ def _warn_unknown_environment(environ=None) -> None:
 
 
 def env_value(name: str, parse, takes: str, default=None, environ=None):
-    """The ``JAX_BLINK_*`` variable ``name`` through ``parse`` (unset or empty: ``default``); a
-    value ``parse`` refuses (TypeError, ValueError) is a ValueError naming the variable and what it
-    takes. The one reader of such variables in Python, for the options and for the others."""
+    """Read the ``JAX_BLINK_*`` variable ``name`` through ``parse``.
+
+    The one reader of such variables in Python, for the options and for the others.
+
+    Args:
+        name: The variable, e.g. ``"JAX_BLINK_TIMEOUT_S"``.
+        parse: Turns the variable's text into its value; raises TypeError or ValueError for text
+            it does not take.
+        takes: What the variable takes, in words, for the error message.
+        default: The value when the variable is unset or empty.
+        environ: The environment to read (default ``os.environ``).
+
+    Returns:
+        ``parse(text)``, or ``default``.
+
+    Raises:
+        ValueError: ``parse`` refused the text; the message names the variable, its value and
+            what it takes.
+    """
     environ = os.environ if environ is None else environ
     text = environ.get(name, "").strip()
     if not text:  # an empty variable counts as unset, as the CUDA executor reads its own
@@ -265,8 +306,26 @@ _warn_unknown_environment()
 
 @contextlib.contextmanager
 def override(**fields):
-    """Set ``config`` fields for the duration of a ``with`` block (options are read when ``jit``
-    traces: trace inside the block), restoring them after."""
+    """Set ``config`` fields for the duration of a ``with`` block, restoring them after.
+
+    Options are read when ``jit`` traces: trace inside the block.
+
+    Args:
+        **fields: Options and their values, e.g. ``dispatch="lax", timeout_s=30``.
+
+    Yields:
+        ``jax_blink.config``, with the fields set.
+
+    Raises:
+        AttributeError: A name that is not an option (before any field changes).
+        TypeError: A value of the wrong type.
+        ValueError: A value the option does not take.
+
+    Example::
+
+        with jax_blink.options.override(dispatch="blink"):
+            compiled = jax.jit(step).lower(x).compile()
+    """
     saved = {k: getattr(config, k) for k in fields}  # an unknown name raises here, before any change
     try:
         for k, v in fields.items():

@@ -713,8 +713,16 @@ class Plan:
         return loads
 
     def check(self, tol: float = 1e-6) -> None:
-        """Raise AssertionError unless every tree is a spanning arborescence over all devices
-        rooted at its root and no link carries more than its capacity (+ ``tol`` GB/s)."""
+        """Check the plan: every tree spans all devices from its root, no link is over capacity.
+
+        Args:
+            tol: GB/s a link may carry above its capacity (rounding).
+
+        Raises:
+            AssertionError: A tree is not a spanning arborescence rooted at its root, a weight
+                is not positive, a link carries more than its capacity, or the rate is not the
+                sum of the weights.
+        """
         devs = set(self.topology.devices)
         for (tree, w), r in zip(self.trees, self.roots):
             assert set(tree.nodes) == devs, f"tree rooted at {r} does not span {sorted(devs)}"
@@ -887,6 +895,12 @@ def plan(topology: Topology, collective: str, root: int | None = None, *, method
     Raises:
         ValueError: unknown collective/method, root not a device, or links that do not connect
             the devices (the message names them).
+
+    Example::
+
+        >>> p = jax_blink.plan(jax_blink.Topology.preset("dgx1v"), "broadcast", 0)
+        >>> p.num_trees, round(p.rate), round(p.bound)
+        (6, 150, 150)
     """
     root = _check_args(topology, collective, root, method)
     p = _plan_cached(topology, collective, root, method)

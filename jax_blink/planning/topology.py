@@ -228,7 +228,17 @@ class Topology:
         return dict(self._host)
 
     def rank_of(self, device_id: int) -> int:
-        """Return the mesh-axis rank of ``device_id``; ValueError if it is not a device here."""
+        """The mesh-axis rank of a device.
+
+        Args:
+            device_id: A device id of this topology.
+
+        Returns:
+            Its rank: the index of ``device_id`` in :attr:`devices`.
+
+        Raises:
+            ValueError: ``device_id`` is not a device of this topology.
+        """
         try:
             return self._rank[device_id]
         except (KeyError, TypeError):
@@ -319,8 +329,19 @@ class Topology:
 
         Keeps the original device ids as node names and every link between two chosen devices.
 
+        Args:
+            ids: Device ids of this topology; their order is the new topology's rank order.
+
+        Returns:
+            The topology of those devices, named e.g. ``"dgx1v[0,1,4]"``.
+
         Raises:
             ValueError: an id that is not a device of this topology, a duplicate id, no ids.
+
+        Example::
+
+            >>> Topology.preset("dgx1v").subset([0, 1, 4]).name
+            'dgx1v[0,1,4]'
         """
         ids = [_check_id(i) for i in ids]
         if not ids:
@@ -424,6 +445,13 @@ class Topology:
         pairs share QPI), so a plan that uses many PCIe links at once overrates them. It is meant
         to let an allocation whose NVLinks are disconnected (e.g. GPUs 0 and 5) still plan.
 
+        Args:
+            name: ``"dgx1v"``, ``"dgx1p"``, ``"dgx2"`` or ``"nvswitch:N"``.
+            pcie: DGX-1 presets only: add the PCIe links described above.
+
+        Returns:
+            The machine's topology.
+
         Raises:
             ValueError: unknown name, bad N, or ``pcie=True`` for an NVSwitch preset.
         """
@@ -470,9 +498,18 @@ class Topology:
     def host(cls, n: int, devices: Iterable[int] | None = None) -> Topology:
         """A uniform full mesh of ``n`` CPU host devices, :data:`HOST_GBPS` per pair and direction.
 
-        ``devices`` gives the ids (default ``0..n-1``). Host devices of one process exchange
-        through shared memory, so no pair is better placed than another; the planners then
-        choose the one-hop stars.
+        Host devices of one process exchange through shared memory, so no pair is better placed
+        than another; the planners then choose the one-hop stars.
+
+        Args:
+            n: The number of devices, >= 1.
+            devices: Their ids (default ``0..n-1``).
+
+        Returns:
+            The topology, named ``"host:N"``.
+
+        Raises:
+            ValueError: ``n`` is not an integer >= 1, or ``devices`` does not hold ``n`` ids.
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"host(n): n must be an integer >= 1, got {n!r}")
@@ -498,6 +535,15 @@ class Topology:
           ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
         * Fallback: if NVML cannot be imported or fails, warn (once) and return a uniform
           ``"pcie"`` full mesh at :data:`PCIE_GBPS`.
+
+        Args:
+            devices: jax devices of one platform (default ``jax.devices()``).
+
+        Returns:
+            Their topology, ranks in the order given.
+
+        Raises:
+            ValueError: No devices, or devices that are neither CPU nor NVIDIA GPUs (or a mix).
         """
         if devices is None:
             import jax

@@ -71,7 +71,22 @@ _decisions: collections.deque = collections.deque(maxlen=10_000)
 
 @dataclasses.dataclass(frozen=True)
 class SwitchRecord:
-    """What the switch did with one collective when a program was lowered."""
+    """What the switch did with one collective when a program was lowered.
+
+    ``str(record)`` is one line: the collective, its axes, dtype and shape, and where it runs.
+
+    Attributes:
+        primitive: The ``lax`` primitive: ``psum``, ``psum_invariant``, ``pmax``, ``pmin``,
+            ``all_gather``, ``all_gather_invariant`` or ``reduce_scatter``.
+        axes: The axis names (and vmap-positional axes) of the call.
+        shape: The per-rank operand shape (merged operands: all of them, flat).
+        dtype: The operand's dtype name.
+        ranks: Devices per group, where known, else None.
+        platform: The platform the program was lowered for.
+        runs_on: ``"jax_blink"`` or ``"xla"``.
+        reason: Why.
+        operands: How many operands of adjacent psums were merged into this one call.
+    """
 
     primitive: str          # psum, psum_invariant, pmax, pmin, all_gather, all_gather_invariant, reduce_scatter
     axes: tuple             # the axis names (and vmap-positional axes) of the call
@@ -94,14 +109,22 @@ class SwitchRecord:
 
 
 def is_installed() -> bool:
-    """Whether the switch is on."""
+    """Whether the switch is on.
+
+    Returns:
+        True between :func:`install` and :func:`uninstall` (or inside :func:`installed`).
+    """
     return _installed
 
 
 def install() -> None:
-    """Turn the switch on for the whole process: from the next lowering on, the collectives of every
-    program run on jax_blink where it can run them (:func:`switch_report` says per call). Calling it
-    again does nothing. Clears jax's caches of compiled programs so that none keeps XLA's."""
+    """Turn the switch on for the whole process.
+
+    From the next lowering on, the ``lax`` collectives of every program (``psum``, ``pmean``,
+    ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``) run on jax_blink where it can run them;
+    :func:`switch_report` says per call where each went and why. Calling it again does nothing.
+    It clears jax's caches of compiled programs, so that none keeps XLA's collectives.
+    """
     global _installed
     with _lock:
         if _installed:
@@ -129,7 +152,10 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Turn the switch off: jax's own lowering rules again, caches cleared. Idempotent."""
+    """Turn the switch off: jax's own lowering rules again, jax's caches cleared.
+
+    Calling it while the switch is off does nothing.
+    """
     global _installed
     with _lock:
         if not _installed:
@@ -148,7 +174,13 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed():
-    """The switch on inside the block (and left as it was found after it)."""
+    """A context manager: the switch on inside the ``with`` block, left as it was found after.
+
+    Example::
+
+        with jax_blink.installed():
+            out = train_step(params, batch)   # its lax collectives on jax_blink
+    """
     was = is_installed()
     install()
     try:
@@ -159,8 +191,15 @@ def installed():
 
 
 def switch_report(clear: bool = False) -> list[SwitchRecord]:
-    """The switch's decisions, one per collective lowered since the last ``clear`` (oldest first):
-    which ran on jax_blink and which went to XLA, and why."""
+    """The switch's decisions, one per collective lowered since the last ``clear``.
+
+    Args:
+        clear: Forget the decisions after returning them.
+
+    Returns:
+        One :class:`SwitchRecord` per collective lowered (oldest first, at most the last 10,000):
+        which run on jax_blink and which go to XLA, and why.
+    """
     with _lock:
         out = list(_decisions)
         if clear:
@@ -169,8 +208,19 @@ def switch_report(clear: bool = False) -> list[SwitchRecord]:
 
 
 def explain_lowering(fun, *args, **kwargs) -> str:
-    """Lower ``jax.jit(fun)(*args, **kwargs)`` under the switch and say, per collective, where it
-    runs and why (nothing is run)."""
+    """Lower ``jax.jit(fun)(*args, **kwargs)`` under the switch and say where each collective runs.
+
+    Nothing is run; the switch is left as it was found.
+
+    Args:
+        fun: The function (jitted or not).
+        *args: Its arguments (arrays, or ``jax.ShapeDtypeStruct``).
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        One line per collective (see :class:`SwitchRecord`), or ``"no collective reached
+        lowering"``.
+    """
     with _lock:
         start = len(_decisions)
         with installed():

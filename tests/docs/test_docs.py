@@ -1,12 +1,19 @@
 """The documents tell the truth about the repository:
 
-* every ```python block of README.md runs, as written, in a fresh interpreter on 8 CPU host devices
-  and prints something (a block that needs GPUs says so on its first line, ``# needs: gpu``, and
-  is skipped without them; a ``# needs: launcher`` block is a program started once per process,
-  ``python prog.py PROCESS_ID NUM_PROCESSES``: it runs here as a job of 2 processes of 2 host devices);
-* every file a document cites (README.md, docs/DESIGN.md) exists;
+* every ```python block of README.md and of the docs pages (docs/*.md) runs, as written, in a fresh
+  interpreter with no ``XLA_FLAGS`` preset, and prints something; a block that runs a collective
+  (it names ``shard_map`` or ``pmap``) gives itself 8 CPU host devices before jax starts, as a user
+  on a machine without a GPU needs, and the program it compiles holds jax_blink's custom call
+  (``jax_blink_collective``, read from the StableHLO that jax dumps). A block that needs GPUs says so
+  on its first line, ``# needs: gpu``, and is skipped without them; a ``# needs: launcher`` block is
+  a program started once per process, ``python prog.py PROCESS_ID NUM_PROCESSES``: it runs here as
+  a job of 2 processes of 2 host devices;
+* every file a document cites exists;
 * nothing in the repository points outside it (the design document is docs/DESIGN.md);
-* the README documents every environment variable the package and the executors read.
+* the options page documents, in its one table, every environment variable the package and the
+  executors read;
+* the repository-file walks read what git tracks, so a virtual environment inside the checkout
+  changes nothing.
 """
 import os
 import re
@@ -19,10 +26,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DESIGN = ROOT / "docs" / "DESIGN.md"
-N_HOST_DEVICES = 8
+OPTIONS = ROOT / "docs" / "options.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+CUSTOM_CALL = "jax_blink_collective"
+# What a block that runs a collective writes before it imports jax (README.md's first program).
+HOST_DEVICES_LINE = 'os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")'
 
 # ---------------------------------------------------------------------------------------------
-# README blocks
+# Code blocks
 
 # The first line of a block that cannot run on 8 CPU host devices says what it needs.
 NEEDS = re.compile(r"#\s*needs:\s*(\S+)")
@@ -54,59 +65,103 @@ def test_block_extraction_reads_markers_and_fences():
         python_blocks("```python\nprint(1)\n")
 
 
-BLOCKS = python_blocks(README.read_text())
+def _rel(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
 
 
-def test_the_readme_has_runnable_blocks_and_few_exceptions():
-    assert len(BLOCKS) >= 2
-    assert all(needs in KNOWN_NEEDS for _, _, needs in BLOCKS if needs), "unknown '# needs:' marker"
+BLOCKS = [(_rel(doc), line, code, needs) for doc in DOCS for line, code, needs in python_blocks(doc.read_text())]
+
+
+def test_the_documents_have_runnable_blocks_and_few_exceptions():
+    assert len([b for b in BLOCKS if b[0] == "README.md"]) >= 2
+    assert {doc for doc, *_ in BLOCKS} >= {"README.md", "docs/collectives.md", "docs/switch.md"}
+    assert all(needs in KNOWN_NEEDS for *_, needs in BLOCKS if needs), "unknown '# needs:' marker"
     # Exceptions stay rare: most of what a newcomer reads runs on any machine.
     assert sum(1 for *_, needs in BLOCKS if needs) <= len(BLOCKS) // 3
 
 
-def _host_device_env() -> dict[str, str]:
-    """The tests' environment (conftest.py) for a fresh interpreter: 8 CPU host devices, no GPU,
-    no JAX_BLINK_* settings of whoever runs the tests, this checkout importable, no display."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_BLINK_")}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={N_HOST_DEVICES}"])
+def runs_a_collective(code: str) -> bool:
+    """Whether a block runs a collective: it builds a shard_map or pmap."""
+    return bool(re.search(r"\bshard_map\b|\bpmap\b", code))
+
+
+def host_devices_problem(code: str) -> str | None:
+    """Why a block that runs a collective would not run jax_blink's executor when a user without a
+    GPU runs it as written (None: it would): it must give itself 8 host devices before jax starts."""
+    if not runs_a_collective(code):
+        return None
+    first_jax = re.search(r"^(import jax|from jax)", code, re.M)
+    at = code.find(HOST_DEVICES_LINE)
+    if at < 0 or (first_jax is not None and at > first_jax.start()):
+        return f"a block that runs a collective sets, before it imports jax: {HOST_DEVICES_LINE}"
+    return None
+
+
+def test_the_host_device_rule_can_fail():
+    assert host_devices_problem("print(1)\n") is None
+    sm = "import jax\nf = jax.shard_map\n"
+    assert "before it imports jax" in host_devices_problem(sm)
+    assert "before it imports jax" in host_devices_problem(sm + "import os\n" + HOST_DEVICES_LINE + "\n")
+    assert host_devices_problem("import os\n" + HOST_DEVICES_LINE + "\n" + sm) is None
+
+
+def dumped_custom_calls(folder: Path) -> int:
+    """How many of the StableHLO modules jax dumped into ``folder`` hold jax_blink's custom call."""
+    return sum(1 for f in folder.rglob("*") if f.is_file() and CUSTOM_CALL in f.read_text(errors="replace"))
+
+
+def _fresh_env(dump: Path) -> dict[str, str]:
+    """A fresh interpreter's environment as a user's: no XLA_FLAGS, no JAX_BLINK_* settings of whoever
+    runs the tests; CPU (so that the blocks run alike on machines with GPUs), this checkout
+    importable, no display; jax dumps every module it lowers into ``dump``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_BLINK_") and k != "XLA_FLAGS"}
     env.setdefault("PJRT_NPROC", "16")
     env["JAX_PLATFORMS"] = "cpu"
     env["MPLBACKEND"] = "Agg"
+    env["JAX_DUMP_IR_TO"] = str(dump)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
-def _block_param(line, code, needs):
+def _block_param(doc, line, code, needs):
     marks = [pytest.mark.gpu] if needs == "gpu" else []
-    return pytest.param(line, code, needs, marks=marks, id=f"README.md:{line}" + (f"[{needs}]" if needs else ""))
+    return pytest.param(doc, line, code, needs, marks=marks, id=f"{doc}:{line}" + (f"[{needs}]" if needs else ""))
 
 
-@pytest.mark.parametrize("line,code,needs", [_block_param(*b) for b in BLOCKS])
-def test_readme_block_runs(line, code, needs, tmp_path):
-    env = _host_device_env()
+@pytest.mark.parametrize("doc,line,code,needs", [_block_param(*b) for b in BLOCKS])
+def test_block_runs(doc, line, code, needs, tmp_path):
+    where = f"{doc} block at line {line}"
+    dump = tmp_path / "ir"
+    env = _fresh_env(dump)
     if needs == "launcher":
-        _run_as_job(line, code, env, tmp_path)
-        return
-    if needs == "gpu":
-        del env["JAX_PLATFORMS"]
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, f"README.md block at line {line} failed:\n{out.stdout}\n{out.stderr}"
-    assert out.stdout.strip(), f"README.md block at line {line} prints nothing: show the result"
+        _run_as_job(where, code, env, tmp_path)
+    else:
+        problem = host_devices_problem(code)
+        assert problem is None, f"{where}: {problem}"
+        if needs == "gpu":
+            del env["JAX_PLATFORMS"]
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, f"{where} failed:\n{out.stdout}\n{out.stderr}"
+        assert out.stdout.strip(), f"{where} prints nothing: show the result"
+    if runs_a_collective(code):
+        assert dump.exists() and dumped_custom_calls(dump) > 0, (
+            f"{where} runs a collective, but no program it compiled holds jax_blink's custom call "
+            f"({CUSTOM_CALL}): as written, it does not run jax_blink's executor")
 
 
-def _run_as_job(line, code, env, tmp_path, nprocs: int = 2) -> None:
-    """Run a launcher block as the README launches it: ``nprocs`` processes of 2 host devices,
-    ``prog.py PROCESS_ID NUM_PROCESSES``, on a free loopback port (the block's 12345 replaced)."""
+def _run_as_job(where, code, env, tmp_path, nprocs: int = 2) -> None:
+    """Run a launcher block as the docs launch it: ``nprocs`` processes of 2 host devices
+    (``XLA_FLAGS`` as the launch loop sets it), ``prog.py PROCESS_ID NUM_PROCESSES``, on a free
+    loopback port (the block's 12345 replaced)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert "127.0.0.1:12345" in code, f"README.md line {line}: a launcher block starts its job on 127.0.0.1:12345"
+    assert "127.0.0.1:12345" in code, f"{where}: a launcher block starts its job on 127.0.0.1:12345"
     prog = tmp_path / "prog.py"
     prog.write_text(code.replace("127.0.0.1:12345", f"127.0.0.1:{port}"))
-    env = dict(env, XLA_FLAGS=env["XLA_FLAGS"].replace(f"count={N_HOST_DEVICES}", "count=2"))
+    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     procs = [subprocess.Popen([sys.executable, str(prog), str(i), str(nprocs)], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for i in range(nprocs)]
@@ -120,8 +175,8 @@ def _run_as_job(line, code, env, tmp_path, nprocs: int = 2) -> None:
                 os.killpg(p.pid, 9)
                 p.wait()
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"README.md block at line {line}, process {i} failed:\n{out}\n{err}"
-        assert out.strip(), f"README.md block at line {line}, process {i} prints nothing"
+        assert p.returncode == 0, f"{where}, process {i} failed:\n{out}\n{err}"
+        assert out.strip(), f"{where}, process {i} prints nothing"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +184,7 @@ def _run_as_job(line, code, env, tmp_path, nprocs: int = 2) -> None:
 
 # A word cited as a path: relative to the repository root, starting at one of its folders or files.
 _TOP = ("jax_blink/", "kernels/", "benchmarks/", "notebooks/", "tests/", "docs/", ".ci/")
-_TOP_FILES = ("README.md", "pyproject.toml", "CMakeLists.txt")
+_TOP_FILES = ("README.md", "CHANGELOG.md", "pyproject.toml", "CMakeLists.txt")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 
@@ -152,6 +207,7 @@ def cited_paths(text: str, doc: Path) -> list[tuple[str, list[Path]]]:
     for block, span in _CODE.findall(text):
         for word in (block or span).split():
             word = word.strip("\"'(),;:.")
+            word = word.split("::")[0]  # a pytest node id cites its file
             if word.startswith(_TOP) or word in _TOP_FILES:
                 out.append((word, [ROOT / w for w in _expand_braces(word)]))
     return out
@@ -180,32 +236,49 @@ def test_the_citation_check_can_fail(tmp_path):
     assert len(missing) == 2 and "nothing_here" in missing[0] and "v0.4.nope" in missing[1]
 
 
-@pytest.mark.parametrize("doc", [README, DESIGN], ids=["README.md", "docs/DESIGN.md"])
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
 def test_every_cited_file_exists(doc):
     assert doc.exists()
     cited = cited_paths(doc.read_text(), doc)
-    assert len(cited) >= 5  # the scan sees the citations
+    if doc in (README, DESIGN):
+        assert len(cited) >= 5  # the scan sees the citations
     assert _missing(cited) == []
 
 
 # ---------------------------------------------------------------------------------------------
 # Nothing points outside the repository
 
-_SKIP_DIRS = {".git", ".venv", "build", ".hypothesis", ".pytest_cache", "__pycache__", ".whl"}
+_SKIP_DIRS = {".git", ".venv", "venv", "env", "build", ".hypothesis", ".pytest_cache", "__pycache__", ".whl"}
 _TEXT = {".py", ".md", ".ipynb", ".txt", ".sh", ".cu", ".cc", ".h", ".cuh", ".toml", ".cfg", ".yml",
          ".yaml", ".json", ".csv", ""}
 
 
-def _repository_text_files():
-    """The repository's files: tracked and untracked but not ignored (git), else a walk that skips
-    the usual build and cache folders."""
+def repository_files(root: Path = ROOT) -> list[Path]:
+    """The repository's files: what git tracks (a virtual environment or a build inside the checkout
+    is not the repository's), else, without git, a walk that skips build, cache and environment
+    folders (any folder holding a ``pyvenv.cfg``)."""
     try:
-        names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                               capture_output=True, text=True, timeout=60).stdout.splitlines()
-        paths = [ROOT / n for n in names]
+        names = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True,
+                               text=True, timeout=60).stdout.split("\0")
+        return [root / n for n in names if n and (root / n).is_file()]
     except (OSError, subprocess.SubprocessError):
-        paths = [p for p in ROOT.rglob("*") if not _SKIP_DIRS & set(p.relative_to(ROOT).parts)]
-    return [p for p in paths if p.is_file() and p.suffix in _TEXT]
+        envs = {p.parent for p in root.rglob("pyvenv.cfg")}
+        return [p for p in root.rglob("*") if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts)
+                and not any(p.is_relative_to(e) for e in envs)]
+
+
+def _repository_text_files():
+    return [p for p in repository_files() if p.suffix in _TEXT]
+
+
+def test_the_file_walk_reads_what_git_tracks(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "kept.md").write_text("tracked")
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr\n")
+    (tmp_path / "venv" / "site.py").write_text("../shared")
+    subprocess.run(["git", "add", "kept.md"], cwd=tmp_path, check=True)
+    assert repository_files(tmp_path) == [tmp_path / "kept.md"]
 
 
 def test_nothing_points_outside_the_repository():
@@ -227,14 +300,33 @@ def test_nothing_points_outside_the_repository():
 # ---------------------------------------------------------------------------------------------
 # Environment variables
 
-def test_every_environment_variable_is_in_the_readme():
-    sources = [*ROOT.glob("jax_blink/**/*.py"), *ROOT.glob("kernels/*.c*"), *ROOT.glob("kernels/*.h")]
+def _read_variables() -> set[str]:
+    """Every JAX_BLINK_* variable that the package's or the executors' tracked sources name (the
+    executors' own ``#define JAX_BLINK_...`` macros are not variables)."""
     names, macros = set(), set()
-    for path in sources:
+    for path in repository_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if not ((rel.startswith("jax_blink/") and path.suffix == ".py")
+                or (rel.startswith("kernels/") and path.suffix in (".cc", ".cu", ".h", ".cuh"))):
+            continue
         text = path.read_text()
         names |= set(re.findall(r"\bJAX_BLINK_[A-Z0-9_]+\b", text))
         macros |= set(re.findall(r"#define\s+(JAX_BLINK_[A-Z0-9_]+)", text))
-    names -= macros
+    return names - macros
+
+
+def options_table_rows(text: str) -> dict[str, str]:
+    """variable -> its row, for every row of the options page's table that starts with a variable."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(JAX_BLINK_[A-Z0-9_]+)` \|.*$", text, re.M)}
+
+
+def test_every_environment_variable_is_in_the_options_table():
+    from jax_blink.options import KNOWN_ENVIRONMENT
+    names = _read_variables()
     assert "JAX_BLINK_ONESHOT_BYTES" in names and "JAX_BLINK_DISPATCH" in names  # the scan works
-    readme = README.read_text()
-    assert sorted(n for n in names if n not in readme) == []
+    rows = options_table_rows(OPTIONS.read_text())
+    assert sorted((names | set(KNOWN_ENVIRONMENT)) - set(rows)) == [], "add a row to docs/options.md"
+    assert sorted(set(rows) - set(KNOWN_ENVIRONMENT)) == [], "docs/options.md lists a variable nothing reads"
+    for name, row in rows.items():  # variable | option | default | takes | what it does
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 5 and all(cells), f"{name}: every column of its row says something"

@@ -195,27 +195,30 @@ def _pack_rings(nodes: list[int], links: dict[tuple[int, int], list[tuple[float,
         return min(cur_out.values())
 
     def dfs(i: int, rate: float) -> bool:
-        if rate > best["rate"] + 1e-9:
-            best["rate"], best["sel"] = rate, list(chosen)
-        if best["rate"] >= upper - 1e-9:
-            return True  # optimal: stop
-        if i >= len(cycles) or rate + bound() <= best["rate"] + 1e-9:
-            return False
-        pairs = cyc_pairs[i]
-        if all(remaining[p] for p in pairs):
-            taken = [remaining[p].pop(0) for p in pairs]
-            r = min(c for c, _ in taken)
-            for (u, _), (c, _) in zip(pairs, taken):
-                cur_out[u] -= c
-            chosen.append((i, r, [k for _, k in taken]))
-            if dfs(i, rate + r):  # the same cycle again (parallel links), then the next ones
-                return True
-            chosen.pop()
-            for (u, _), (c, k) in zip(pairs, taken):
-                cur_out[u] += c
-            for p, t in zip(pairs, taken):
-                remaining[p].insert(0, t)
-        return dfs(i + 1, rate)
+        # Recursion only for a cycle taken (at most one per out-link of a device); skipping a cycle
+        # is the loop, so dense graphs with thousands of cycles do not exhaust Python's stack.
+        while True:
+            if rate > best["rate"] + 1e-9:
+                best["rate"], best["sel"] = rate, list(chosen)
+            if best["rate"] >= upper - 1e-9:
+                return True  # optimal: stop
+            if i >= len(cycles) or rate + bound() <= best["rate"] + 1e-9:
+                return False
+            pairs = cyc_pairs[i]
+            if all(remaining[p] for p in pairs):
+                taken = [remaining[p].pop(0) for p in pairs]
+                r = min(c for c, _ in taken)
+                for (u, _), (c, _) in zip(pairs, taken):
+                    cur_out[u] -= c
+                chosen.append((i, r, [k for _, k in taken]))
+                if dfs(i, rate + r):  # the same cycle again (parallel links), then the next ones
+                    return True
+                chosen.pop()
+                for (u, _), (c, k) in zip(pairs, taken):
+                    cur_out[u] += c
+                for p, t in zip(pairs, taken):
+                    remaining[p].insert(0, t)
+            i += 1
 
     upper = min(out_cap.values())
     dfs(0, 0.0)

@@ -31,6 +31,7 @@ GOOD = {
     "dispatch": [("auto", "auto"), ("blink", "blink"), ("lax", "lax")],
     "fallback": [("warn", "warn"), ("raise", "raise"), ("silent", "silent")],
     "command_buffers": [(True, True), (False, False), (np.bool_(True), True)],
+    "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
     ("timeout_s", "abc", TypeError, "number of seconds"),
@@ -57,6 +58,8 @@ BAD = [
     ("fallback", 1, TypeError, "'warn', 'raise', 'silent'"),
     ("command_buffers", 1, TypeError, "True or False"),
     ("command_buffers", "yes", TypeError, "True or False"),
+    ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
+    ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]
 
 

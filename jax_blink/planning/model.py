@@ -48,7 +48,7 @@ The model leaves out the reduction's arithmetic, kernel launch costs and NCCL's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
 

@@ -1,7 +1,6 @@
 """The all-reduce forms (jax_blink/planning/forms.py): their programs, their modelled times, the
 planner's choice, and the executor running each of them bitwise like lax on CPU host devices."""
 import itertools
-import math
 import time
 
 import jax
@@ -205,7 +204,7 @@ def test_each_form_matches_lax_bitwise(n, form, x64):
     lax on exactly representable data, and bitwise equal to the program's reference on random
     float32 data (the executor ran that program)."""
     topo = _topology_for(n, form)
-    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:n]), ("x",))
     count = 1037
     data = {dt: _exact_inputs(n, count, n).astype(ml_dtypes.bfloat16 if dt == "bfloat16" else dt) for dt in DTYPES}
     args = [jax.device_put(jnp.asarray(data[dt]), NamedSharding(mesh, P("x"))) for dt in DTYPES]
@@ -241,7 +240,7 @@ def test_each_form_matches_lax_bitwise(n, form, x64):
 
 def test_forced_form_that_cannot_run_is_refused_at_trace_time():
     n = 4
-    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:n]), ("x",))
     x = jax.device_put(jnp.ones((n, 16), jnp.float32), NamedSharding(mesh, P("x")))
     f = jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce(v, "x", topology=Topology.host(n)), mesh=mesh,
                               in_specs=P("x"), out_specs=P("x")))

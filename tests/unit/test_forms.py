@@ -255,3 +255,14 @@ def test_explain_names_the_form():
     ch = forms.choose(DGX1V, 4 << 20)
     assert line == ch.line()
     assert f"schedule: {len(forms.segments(ch.form, (4 << 20) // 4, 4))} tree segments" in text
+
+
+def test_ring_form_on_an_nvswitch_mesh_reaches_the_baselines_rate():
+    """NVSwitch, 8 GPUs: the baseline is one logical ring at the fabric rate; the ring form runs it
+    as 7 link-disjoint directed Hamiltonian rings over the pairs, at the same rate and time."""
+    topo = Topology.preset("nvswitch:8")
+    ring = {f.name: f for f in forms.forms_at(topo, 500e6)}["rings"]
+    assert len(ring.blocks) == 8 and len(ring.blocks[0]) == 7
+    assert ring.time_us == pytest.approx(model.time_us(model.rings(topo), "allreduce", 500e6), rel=1e-9)
+    host = {f.name: f for f in forms.forms_at(Topology.host(8), 500e6)}["rings"]
+    assert len(host.blocks[0]) == 4  # CPU host devices: the coprime-stride rings, no chains of 7 each way

@@ -266,3 +266,32 @@ def test_ring_form_on_an_nvswitch_mesh_reaches_the_baselines_rate():
     assert ring.time_us == pytest.approx(model.time_us(model.rings(topo), "allreduce", 500e6), rel=1e-9)
     host = {f.name: f for f in forms.forms_at(Topology.host(8), 500e6)}["rings"]
     assert len(host.blocks[0]) == 4  # CPU host devices: the coprime-stride rings, no chains of 7 each way
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", forms.FORMS[:-1])  # one_hop: the executor's own kernels, tested apart
+def test_each_form_on_gpus_matches_psum_bitwise(form):
+    """On the GPUs of this machine (2 to 8), every tree/ring form forced, over a size past the
+    one-hop kernels' limits (so the program's trees run), with the DGX-1V's links of as many GPUs
+    as the plan's topology: bitwise equal to psum on exactly representable data."""
+    gpus = _gpus()[:8]
+    n = len(gpus)
+    if n < 2:
+        pytest.skip("needs 2 or more GPUs")
+    topo = _topology_for(n, form)
+    mesh = Mesh(np.array(gpus), ("x",))
+    for dt in ("float32", "int32", "bfloat16"):
+        count = (forms.ONESHOT_MAX_BYTES + (1 << 20)) // jnp.dtype(dt).itemsize  # 9 MiB per rank
+        x = jax.device_put(jnp.asarray(_exact_inputs(n, count, 3)).astype(dt), NamedSharding(mesh, P("x")))
+        with override(allreduce_form=form, dispatch="blink"):
+            got = jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce(v, "x", topology=topo), mesh=mesh,
+                                        in_specs=P("x"), out_specs=P("x")))(x)
+        want = jax.jit(jax.shard_map(lambda v: lax.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))

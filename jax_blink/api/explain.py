@@ -1,5 +1,5 @@
-"""``jax_blink.explain``: the trees, shares, chunks, executor and dispatch decision of one call,
-in words."""
+"""``jax_blink.explain``: the trees, the all-reduce form, shares, chunks, executor and dispatch
+decision of one call, in words."""
 from __future__ import annotations
 
 
@@ -9,7 +9,7 @@ import numpy as np
 from jax_blink.lowering import chunk_cache
 from jax_blink.lowering import dispatch_table as tuning
 from jax_blink.lowering import hierarchy as _hierarchy
-from jax_blink.lowering.custom_call import build_program, chunk_bytes_for, host_engine
+from jax_blink.lowering.custom_call import allreduce_choice, build_program, chunk_bytes_for, host_engine
 from jax_blink.lowering.mesh import device_kind as _device_kind, platform as _platform
 from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
 from jax_blink.options import AUTO, config, env_value, parse_byte_count
@@ -157,6 +157,9 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
                 f"({nbytes} bytes per rank, the limit now {min_bytes}): "
                 + ("host channel and NVLink." if nbytes >= min_bytes else "NVLink only.")
                 + (f" JAX_BLINK_HOST_SHARE={host_share} overrides the share." if host_share else ""))
+    if collective == "allreduce" and n > 1:
+        # Which form runs (jax_blink/planning/forms.py), by how much it beat the next, and why.
+        lines.append(allreduce_choice(topology, total * itemsize, method).line())
     platform = _topology_platform(topology)
     kind = device_kind or (_device_kind() if platform == _platform() else None)
     lines.append(_executor_line(platform, collective, n, nbytes))

@@ -15,6 +15,7 @@ from jax_blink.lowering import chunk_cache
 from jax_blink.lowering import processes as _distributed
 from jax_blink.lowering.mesh import axis_index, axis_size, device_kind, group_index, platform as current_platform
 from jax_blink.options import AUTO, check_chunk_bytes, config, env_value
+from jax_blink.planning import forms as _forms
 from jax_blink.planning import schedule as _schedule
 from jax_blink.planning.packing import hybrid_share, plan as _plan
 from jax_blink.planning.topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENCY, Topology
@@ -82,12 +83,53 @@ def _shared_memory(topology: Topology) -> bool:
         d.get("kind") == "host" for _, _, d in topology.graph.edges(data=True))
 
 
-@functools.lru_cache(maxsize=256)
 def build_program(topology: Topology, collective: str, root, total_elems: int, itemsize: int,
-                  chunk_bytes, method: str) -> np.ndarray:
+                  chunk_bytes, method: str, form: str | None = None) -> np.ndarray:
+    """The int32 program of one call (read-only; cached per topology, collective, operand, chunk,
+    method and all-reduce form).
+
+    Args:
+        topology: the ranks' devices and links.
+        collective: ``"allreduce"``, ``"broadcast"``, ``"reduce"``, ``"allgather"`` or ``"reducescatter"``.
+        root: the root rank (broadcast, reduce), else None.
+        total_elems: elements of the operand.
+        itemsize: bytes per element.
+        chunk_bytes: the pipelining chunk, or None: the all-reduce form's modelled chunk (other
+            collectives and forms without one: the schedule's default).
+        method: the packing method (``"exact"`` or ``"mwu"``).
+        form: the all-reduce form (:mod:`jax_blink.planning.forms`); None: ``config.allreduce_form``.
+
+    Returns:
+        The program array of ``kernels/program.h``.
+
+    Raises:
+        ValueError: a forced all-reduce form that cannot run on this topology and size.
+    """
+    return _build_program(topology, collective, root, total_elems, itemsize, chunk_bytes, method,
+                          config.allreduce_form if form is None else form)
+
+
+def allreduce_choice(topology: Topology, nbytes: int, method: str = "exact",
+                     form: str | None = None) -> _forms.Choice | None:
+    """The all-reduce form a call of ``nbytes`` per rank runs on ``topology`` (None for one rank)."""
+    if topology.n < 2:
+        return None
+    return _forms.choose(topology, nbytes, config.allreduce_form if form is None else form, method=method)
+
+
+@functools.lru_cache(maxsize=256)
+def _build_program(topology: Topology, collective: str, root, total_elems: int, itemsize: int,
+                   chunk_bytes, method: str, form: str) -> np.ndarray:
     # Cached per topology (Topology hashes and compares by its links), collective and operand.
     n = topology.n
-    if collective in ("allreduce", "broadcast", "reduce"):
+    if collective == "allreduce" and root is None and n > 1:
+        # The form the model finds fastest at this size (or the one forced), as segments.
+        choice = _forms.choose(topology, total_elems * itemsize, form, method=method)
+        segments = _forms.segments(choice.form, total_elems, itemsize)
+        chunk = chunk_bytes if chunk_bytes is not None else choice.form.chunk_bytes
+        sched = _schedule.make_schedule(n, total_elems, itemsize, segments,
+                                        chunk_bytes=None if chunk is None else max(chunk, _schedule.ALIGN_BYTES))
+    elif collective in ("allreduce", "broadcast", "reduce"):
         p = _plan(topology, collective, None if root is None else topology.devices[root], method=method)
         sched = _schedule.build_schedule(p, total_elems, itemsize, chunk_bytes=chunk_bytes)
     else:

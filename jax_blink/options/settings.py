@@ -14,6 +14,11 @@
                           ``silent``: fall back without a word.
 ``JAX_BLINK_MERGE_BYTES`` the switch merges adjacent all-reduces of one dtype into calls of at most
                           this many bytes per rank (default 25M, as DDP's buckets); ``0``: no merging
+``JAX_BLINK_ALLREDUCE_FORM`` ``auto`` (default): the planner runs each all-reduce in the form the
+                          model finds fastest for its topology and size (jax_blink/planning/forms.py);
+                          ``reduce_broadcast`` (Blink's trees), ``rings``, ``scatter_gather``,
+                          ``shallow_trees`` or ``one_hop``: that form (a call on which it cannot run
+                          is refused at trace time, naming the forms that can)
 
 ``config.NAME = value`` checks the value at once (TypeError/ValueError naming the option, the value
 and what it takes) and refuses names that are not options (AttributeError listing them). A
@@ -35,6 +40,9 @@ import numpy as np
 _FALLBACKS = ("warn", "raise", "silent")
 MAX_TIMEOUT_S = 1e6  # the budget travels in milliseconds as an int64 attribute; 11 days is plenty
 _DISPATCH = ("auto", "blink", "lax")
+#: ``allreduce_form`` values: the planner's choice, or one form of jax_blink/planning/forms.py
+#: (FORMS there; a test keeps the two lists equal: options sit below planning and cannot import it).
+ALLREDUCE_FORMS = ("auto", "reduce_broadcast", "rings", "scatter_gather", "shallow_trees", "one_hop")
 #: ``chunk_bytes`` value that means: the tuned chunk from the cache (:mod:`jax_blink.lowering.chunk_cache`).
 AUTO = "auto"
 #: DDP's ``bucket_cap_mb=25``: the default bucket of :func:`jax_blink.api.buckets.bucketed`, and
@@ -113,6 +121,7 @@ _CHECKS = {
     "fallback": _choice("fallback", _FALLBACKS),
     "command_buffers": _check_command_buffers,
     "dispatch": _choice("dispatch", _DISPATCH),
+    "allreduce_form": _choice("allreduce_form", ALLREDUCE_FORMS),
 }
 
 
@@ -164,6 +173,7 @@ class Options:
     command_buffers: bool = False
     dispatch: str = "auto"
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
+    allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
 
     def __setattr__(self, name: str, value) -> None:
         check = _CHECKS.get(name)
@@ -222,6 +232,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_COMMAND_BUFFERS": ("command_buffers", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_FALLBACK": ("fallback", str.lower, " / ".join(_FALLBACKS)),
     "JAX_BLINK_MERGE_BYTES": ("merge_bytes", parse_byte_count, "a number of bytes >= 0 (0: no merging; 25M by default)"),
+    "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # host channel's engine and the executor's size limits that explain() reports (collectives.py), and

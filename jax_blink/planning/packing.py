@@ -42,7 +42,7 @@ import networkx as nx
 from jax_blink.planning.topology import DEFAULT_HOST_ENGINE, NVLINK_EFFICIENCY, Topology, host_path_gbps
 
 __all__ = ["Plan", "plan", "COLLECTIVES", "METHODS", "broadcast_bound", "partition_bound",
-           "clear_plan_cache"]
+           "clear_plan_cache", "max_weights"]
 
 COLLECTIVES = ("broadcast", "reduce", "allreduce")
 METHODS = ("exact", "mwu")
@@ -546,6 +546,20 @@ def _solve_lp_over(caps: Sequence[float], cols: Sequence[Column]) -> tuple[float
         lp.add(c)
     z, x, _ = lp.solve()
     return z, x
+
+
+def max_weights(caps: Sequence[float], cols: Sequence[Sequence[int]]) -> tuple[float, list[float]]:
+    """The heaviest weights of the given trees under the capacities: the LP
+    ``max sum x_T s.t. sum_{T contains e} x_T <= caps[e], x >= 0``.
+
+    Args:
+        caps: capacity (GB/s) of each resource (edge or undirected pair).
+        cols: each tree as the indices of the resources it uses.
+
+    Returns:
+        ``(total rate, weight of each tree)``.
+    """
+    return _solve_lp_over(caps, [tuple(sorted(c)) for c in cols])
 
 
 def _widest_bottleneck(prob: _Problem) -> float:

@@ -32,6 +32,7 @@ GOOD = {
     "fallback": [("warn", "warn"), ("raise", "raise"), ("silent", "silent")],
     "command_buffers": [(True, True), (False, False), (np.bool_(True), True)],
     "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
+    "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
     ("timeout_s", "abc", TypeError, "number of seconds"),
@@ -62,6 +63,8 @@ BAD = [
     ("merge_bytes", 1.5, TypeError, "whole number of bytes"),
     ("merge_bytes", True, TypeError, "whole number of bytes"),
     ("merge_bytes", "25M", TypeError, "whole number of bytes"),
+    ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
+    ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]
 
 

@@ -340,3 +340,15 @@ def test_explain_names_the_host_channel_only_where_it_is_known(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_HOST_MIN_BYTES", str(1 << 20))
     assert host_line(1 << 20).endswith("): host channel and NVLink.")
     assert "host channel" not in jax_blink.explain(Topology([0, 1], links, "pair"), nbytes=1 << 20)
+
+
+def test_max_weights_is_the_packing_lp_over_given_trees():
+    """A triangle of pairs with capacities 2, 2, 2: the three paths (2 pairs each) pack to 3 in
+    all (each at 1); one path alone is limited to 2 by its narrower pair."""
+    from jax_blink.planning.packing import max_weights
+
+    caps = [2.0, 2.0, 2.0]  # pairs 01, 02, 12
+    total, w = max_weights(caps, [(0, 1), (0, 2), (1, 2)])
+    assert total == pytest.approx(3.0) and w == pytest.approx([1.0, 1.0, 1.0])
+    total, w = max_weights([2.0, 5.0, 5.0], [(0, 1)])
+    assert total == pytest.approx(2.0)

@@ -207,3 +207,19 @@ def test_paper_examples_speedup():
     assert c["ring_algbw"] == pytest.approx(150 * 8 / 14, rel=1e-6)
     assert set(c) >= {"num_trees", "ring_rate", "speedup", "tree_time_us", "ring_time_us"}
     assert math.isfinite(c["speedup"])
+
+
+def test_one_ring_formula_for_the_baseline_and_the_planner():
+    """The NCCL baseline's all-reduce time is ring_allreduce_us on its rings, the closed form
+    2(n-1) alpha + 2(n-1)/n S / B; the planner's ring form calls the same function."""
+    from jax_blink.planning import forms, model
+
+    rp = rings(DGX1V)
+    S = 4 << 20
+    t = simulate.ring_allreduce_us(rp.n, rp.rates, rp.alphas, S)
+    assert time_us(rp, "allreduce", S) == t
+    bpu = MODEL["bytes_per_us_per_gbps"]
+    assert t == pytest.approx(2 * 7 * 1.5 + 2 * 7 / 8 * S / (rp.rate * bpu))
+    assert simulate.ring_allreduce_us is model.ring_allreduce_us
+    assert {f.name: f.time_us for f in forms.forms_at(DGX1V, S)}["rings"] == pytest.approx(t, rel=1e-12)
+    assert simulate.ring_allreduce_us(1, (10.0,), (1.0,), S) == 0.0

@@ -728,7 +728,7 @@ class Plan:
 
     def __repr__(self) -> str:
         head = (f"Plan({self.collective}, {self.topology.name}, root={self.root}, method={self.method}: "
-                f"{self.num_trees} trees, rate {self.rate:.2f} GB/s, bound {self.bound:.2f} GB/s, "
+                f"{self.num_trees} tree{'s' if self.num_trees != 1 else ''}, rate {self.rate:.2f} GB/s, bound {self.bound:.2f} GB/s, "
                 f"efficiency {100 * self.efficiency:.1f}%)")
         lines = [head]
         for k, ((tree, w), r) in enumerate(zip(self.trees, self.roots)):
@@ -741,7 +741,7 @@ class Plan:
         i = self.info
         t = self.topology
         out = [f"{self.collective} over {t.n} devices {list(t.devices)} of {t.name}: {self.num_trees} "
-               f"trees, rate {self.rate:.2f} GB/s = {100 * self.efficiency:.1f}% of the bound "
+               f"tree{'s' if self.num_trees != 1 else ''}, rate {self.rate:.2f} GB/s = {100 * self.efficiency:.1f}% of the bound "
                f"{self.bound:.2f} GB/s."]
         if t.n == 1:
             return out[0] + " A single device: nothing moves."

@@ -193,9 +193,21 @@ def picture_path(option: str, text: str) -> str:
 
 
 def output_folder(option: str, text: str) -> str:
-    """A folder for result files: an existing folder we can write into, or one that can be made
-    there (its nearest existing parent is a folder we can write into; the tool makes it when it
-    writes, so that a run refused for another option leaves nothing behind)."""
+    """A folder for result files: an existing folder we can write into, or a new one whose parent
+    is a folder we can write into (the tool makes it when it writes, so that a run refused for
+    another option leaves nothing behind). A path whose parent is missing is refused: a mistyped
+    path must not become a tree of new folders.
+
+    Args:
+        option: the option's name, for the message.
+        text: the path given.
+
+    Returns:
+        ``text``, checked.
+
+    Raises:
+        UsageError: naming the option, the path and what is wrong with it.
+    """
     if not text.strip():
         raise bad(option, text, "takes a folder name")
     p = Path(text)
@@ -205,8 +217,12 @@ def output_folder(option: str, text: str) -> str:
         _probe(option, p, text)
         return text
     parent = p.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    if not parent.exists():
+        blocker = next((f for f in parent.parents if f.exists() and not f.is_dir()), None)
+        if blocker is not None:
+            raise bad(option, text, f"the folder cannot be made: {str(blocker)!r} is a file")
+        raise bad(option, text, f"its parent folder {str(parent)!r} does not exist; make it first "
+                                "(only the last folder of the path is made) or choose another")
     if not parent.is_dir():
         raise bad(option, text, f"the folder cannot be made: {str(parent)!r} is a file")
     _probe(option, parent, text)
@@ -260,3 +276,8 @@ def _fmt(nbytes: int) -> str:
             v = nbytes / (1 << shift)
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
     return str(nbytes)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` as a short size for messages: 512, 1.5K, 64M, 2G (binary units)."""
+    return _fmt(nbytes)

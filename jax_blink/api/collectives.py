@@ -101,9 +101,13 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     count must equal the axis size); ``method`` picks the tree-packing solver ("exact" or "mwu").
     Where XLA's own collective was measured faster for this size on this machine
     (:mod:`jax_blink.lowering.dispatch_table`), the call goes to ``lax`` (``config.dispatch`` changes that).
+    A bool ``x`` is summed as int32, as ``lax.psum`` sums it (its max and min stay bool).
     """
-    _check_dtype(x)
     opcode = _check_op(op)
+    if np.dtype(x.dtype) == np.bool_:  # lax.psum converts bools to int32 before its sum
+        as_int = all_reduce(x.astype(jnp.int32), axis_name, op=op, topology=topology, method=method)
+        return as_int if op == "sum" else as_int.astype(jnp.bool_)
+    _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
@@ -178,9 +182,15 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
                 prefer_lax=across_hosts_to_lax("reduce", axes) or use_lax("reduce", n, x, axes))
 
 
-def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying",
                topology: Topology | None = None, method: str = "exact"):
-    """Drop-in for ``lax.all_gather``: every rank's ``x`` stacked (or, tiled, concatenated)."""
+    """Drop-in for ``lax.all_gather``: every rank's ``x`` stacked (or, tiled, concatenated).
+
+    ``to`` is ``lax.all_gather``'s: the result's manual axis type. The executor runs ``"varying"``
+    (the default); ``"invarying"`` and ``"reduced"`` go to ``lax.all_gather`` itself.
+    """
+    if to != "varying":  # types the executor's result is not declared with: lax's own does it
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to=to)
     _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)

@@ -134,7 +134,7 @@ class BucketLayout:
     def explain(self, topology, **kwargs) -> str:
         """``jax_blink.explain`` of each bucket's all-reduce on ``topology`` (keyword arguments go
         to it)."""
-        from jax_blink.api.collectives import explain
+        from jax_blink.api.explain import explain
         parts = []
         for i, b in enumerate(self.buckets):
             parts.append(f"--- bucket {i}: all-reduce of {_fmt_bytes(b.nbytes)} ({b.dtype.name})\n"

@@ -1,6 +1,8 @@
-"""Command line: ``python -m jax_blink plan ...`` (the main job), ``demo``, ``crossover``, and
-``python -m jax_blink run SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited:
-jax_blink.switch).
+"""Command line (``python -m jax_blink`` or the ``jax-blink`` script): ``demo`` (the main job: the
+paper's result in the model, every collective checked against lax and all_reduce timed against
+lax.psum on the devices here, :mod:`jax_blink.tools.demo`), ``plan``, ``crossover``, ``run
+SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch), and
+``bench`` / ``train``, which forward to ``python -m jax_blink.tools.bench`` / ``.tools.train``.
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
 

@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         where = f"root {root}"
     print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s), "
-          "each with its share of the algbw")
+          "each with its share of the algbw (every rate here is MODELLED from the topology's link rates)")
     for i, (tree, w) in enumerate(p.trees):
         print(_format_tree(tree, w, i))
     if topo.n == 1:
@@ -172,6 +172,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for r, b in zip(rp.rings, rp.rates):
             print(f"  {' -> '.join(map(str, r))} -> {r[0]}: {b:g} GB/s")
         print(f"trees {ta:.4g} vs rings {ra:.4g} GB/s algbw: {ta / ra:.2f}x" if ra > 0 else "")
+        from jax_blink.tools.demo import uniform_mesh
+        if uniform_mesh(topo):
+            print(f"{topo.name} is a uniform mesh (every pair the same modelled rate): trees == rings in rate "
+                  "here; Blink's gain needs links that differ or are missing (try --topology dgx1v --devices 0,1,4)")
         print(f"({_ALGBW}; in the model, at large sizes)")
         tt, tc = best_time(p, args.collective, args.size)
         rt, _ = best_time(rp, args.collective, args.size)

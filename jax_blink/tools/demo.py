@@ -108,7 +108,8 @@ def paper_lines() -> list[str]:
 
 
 # ------------------------------------------------------------------------------ 2. this machine
-def _uniform(topo) -> bool:
+def uniform_mesh(topo) -> bool:
+    """Whether every pair of ``topo``'s devices is linked at one and the same rate (NVSwitch, host devices)."""
     g = topo.simple_graph()
     rates = {topo.capacity(a, b) for a, b in g.edges}
     return g.number_of_edges() == topo.n * (topo.n - 1) and len(rates) == 1
@@ -136,7 +137,7 @@ def machine_lines(topo, nbytes: int, what: str) -> list[str]:
            f"   all-reduce on {topo.n} devices: {n_trees} tree{'s' if n_trees != 1 else ''} at "
            f"{c['tree_algbw']:.4g} GB/s algbw per rank; {n_rings} {c['ring_kind']} ring{'s' if n_rings != 1 else ''}"
            f" at {c['ring_algbw']:.4g} GB/s: {c['rate_speedup']:.2f}x at large sizes"]
-    if _uniform(topo):
+    if uniform_mesh(topo):
         # Here the model's time at a size differs only by its per-hop latency: not Blink's point.
         out.append(f"   {topo.name} is a uniform mesh (every pair the same modelled rate): trees == rings "
                    "in rate here. Blink's gain needs links that differ or are missing (section 1).")
@@ -286,7 +287,7 @@ def one_device_lines(device) -> list[str]:
     preset = likely_machine(device.device_kind)
     out = machine_lines(Topology.preset(preset), 64 << 20,
                         f"One {device.device_kind}: the board such a GPU usually sits in, {preset}")
-    out += ["3.-4. What one GPU cannot show: a collective needs 2 or more devices (one device has nothing to "
+    out += ["", "3.-4. What one GPU cannot show: a collective needs 2 or more devices (one device has nothing to "
             "move; jax_blink.all_reduce returns its input), so nothing is run or timed here.",
             "   The CUDA executor's kernels with ranks as streams of this one GPU, checked and timed: in a "
             "checkout, STEPS=\"build selftest\" bash benchmarks/gpu_session.sh",

@@ -146,8 +146,8 @@ def test_interleaved_times_take_turns_and_run_small_programs_longer():
 
 
 def test_defaults_a_laptop_survives():
-    """The defaults: 1K to 4M bytes per rank, float32 only (64M and bfloat16 took 151.6 s and 8.1 GB
-    of memory on 8 CPU host devices of a 24 GB machine)."""
+    """The defaults: 1K to 4M bytes per rank, float32 only (measured with the old and the new defaults:
+    benchmarks/results/demo-cpu-8dev-2026-11-25.txt)."""
     a = bench.build_parser().parse_args([])
     assert (a.begin, a.end, a.dtype, a.collective) == (1 << 10, 4 << 20, ["float32"], ["allreduce"])
 

@@ -104,8 +104,8 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
     executor can run it, ``jax_blink.config.fallback`` says what happens. Gradients are ``lax``'s.
 
     Args:
-        x: This rank's operand: float32, bfloat16, float16 or int32 (float64 and int64 with
-            ``jax_enable_x64``).
+        x: This rank's operand: float32, bfloat16, float16, int32 or bool (float64 and int64
+            with ``jax_enable_x64``).
         axis_name: A mesh axis name, or a tuple of names (the ranks of all of them).
         op: ``"sum"``, ``"max"`` or ``"min"``.
         topology: The links of the axis's devices to plan on (default: discovered, or the
@@ -114,7 +114,8 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
             (the paper's multiplicative weights).
 
     Returns:
-        An array of ``x``'s shape and dtype: the reduction over the axis, as ``lax`` gives it.
+        An array of ``x``'s shape and dtype: the reduction over the axis, as ``lax`` gives it
+        (a bool ``x`` is summed as int32, as ``lax.psum`` sums it; its max and min stay bool).
 
     Raises:
         TypeError: ``x``'s dtype is not one the executors take.
@@ -128,8 +129,11 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | 
         def step(g):
             return jax_blink.all_reduce(g, "data")   # where you wrote lax.psum(g, "data")
     """
-    _check_dtype(x)
     opcode = _check_op(op)
+    if np.dtype(x.dtype) == np.bool_:  # lax.psum converts bools to int32 before its sum
+        as_int = all_reduce(x.astype(jnp.int32), axis_name, op=op, topology=topology, method=method)
+        return as_int if op == "sum" else as_int.astype(jnp.bool_)
+    _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)
     lax_fn = {0: lax.psum, 1: lax.pmax, 2: lax.pmin}[opcode]
@@ -244,7 +248,7 @@ def reduce(x, axis_name: AxisName, *, root: int = 0, op: str = "sum",
                 prefer_lax=across_hosts_to_lax("reduce", axes) or use_lax("reduce", n, x, axes))
 
 
-def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, to: str = "varying",
                topology: Topology | None = None, method: str = "exact"):
     """Gather every rank's ``x`` on every rank: drop-in for ``lax.all_gather``.
 
@@ -256,6 +260,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         axis: Where the ranks' operands go in the result (a new dimension, or with ``tiled`` the
             dimension they are concatenated along).
         tiled: Concatenate along ``axis`` instead of stacking in a new dimension.
+        to: ``lax.all_gather``'s manual axis type of the result. The executor runs ``"varying"``
+            (the default); ``"invarying"`` and ``"reduced"`` go to ``lax.all_gather`` itself.
         topology: The links of the axis's devices to plan on (default: discovered, or the
             platform's uniform graph); its device count must equal the axis size.
         method: The tree-packing solver: ``"exact"`` (LP with column generation) or ``"mwu"``
@@ -269,6 +275,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
         TypeError: ``x``'s dtype is not one the executors take.
         ValueError: ``axis`` is out of range for the result.
     """
+    if to != "varying":  # types the executor's result is not declared with: lax's own does it
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to=to)
     _check_dtype(x)
     axes = axes_of(axis_name)
     n = axis_size(axes)

@@ -33,6 +33,7 @@ import difflib
 import numbers
 import operator
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -310,8 +311,24 @@ def _from_env(environ=None) -> Options:
     return o
 
 
+def _started_as_tool() -> bool:
+    """Whether this process is jax_blink's command line (``python -m jax_blink...``, ``jax-blink``)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1].split(".")[0] == "jax_blink"
+    return len(argv) > 1 and os.path.basename(argv[1]) == "jax-blink"
+
+
 #: The options in force. Values are read at trace time: change them before ``jit`` traces.
-config = _from_env()
+try:
+    config = _from_env()
+except ValueError as _e:
+    if not _started_as_tool():
+        raise
+    # The command line reports bad input as one line and exit status 2, this too (it is found
+    # while the package imports, before the tool's own error handling exists).
+    print(f"jax_blink: error: {_e}", file=sys.stderr)
+    raise SystemExit(2) from None
 _warn_unknown_environment()
 
 

@@ -672,6 +672,11 @@ def _pack(prob: _Problem, n: int, method: str) -> tuple[list[Column], list[float
 
 
 # ============================================================================ the Plan
+def _n_trees(k, noun: str = "tree") -> str:
+    """``k`` trees in words: "1 tree", "3 trees"."""
+    return f"{k} {noun}{'s' if k != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class Plan:
     """Trees and weights that carry one collective over a topology, with their certificate.
@@ -750,7 +755,7 @@ class Plan:
 
     def __repr__(self) -> str:
         head = (f"Plan({self.collective}, {self.topology.name}, root={self.root}, method={self.method}: "
-                f"{self.num_trees} trees, rate {self.rate:.2f} GB/s, bound {self.bound:.2f} GB/s, "
+                f"{self.num_trees} tree{'s' if self.num_trees != 1 else ''}, rate {self.rate:.2f} GB/s, bound {self.bound:.2f} GB/s, "
                 f"efficiency {100 * self.efficiency:.1f}%)")
         lines = [head]
         for k, ((tree, w), r) in enumerate(zip(self.trees, self.roots)):
@@ -763,7 +768,7 @@ class Plan:
         i = self.info
         t = self.topology
         out = [f"{self.collective} over {t.n} devices {list(t.devices)} of {t.name}: {self.num_trees} "
-               f"trees, rate {self.rate:.2f} GB/s = {100 * self.efficiency:.1f}% of the bound "
+               f"tree{'s' if self.num_trees != 1 else ''}, rate {self.rate:.2f} GB/s = {100 * self.efficiency:.1f}% of the bound "
                f"{self.bound:.2f} GB/s."]
         if t.n == 1:
             return out[0] + " A single device: nothing moves."
@@ -792,23 +797,23 @@ class Plan:
             return "\n".join(out)
         if self.method == "mwu":
             out.append(f"Solver: multiplicative weights (Garg-Koenemann), {i.get('mwu_rounds')} rounds, "
-                       f"{i.get('mwu_trees')} distinct trees at {i.get('mwu_rate', 0):.2f} GB/s (an LP "
+                       f"{_n_trees(i.get('mwu_trees'), 'distinct tree')} at {i.get('mwu_rate', 0):.2f} GB/s (an LP "
                        f"over those trees: {i.get('lp_rate', 0):.2f} GB/s); dives gave "
-                       f"{i.get('dive_trees')} trees.")
+                       f"{_n_trees(i.get('dive_trees'))}.")
         else:
             out.append(f"Solver: LP by column generation ({i.get('cg_rounds')} pricing rounds, "
                        f"minimum-weight {'spanning trees' if self.collective == 'allreduce' else 'arborescences'}), "
-                       f"LP rate {i.get('lp_rate', 0):.2f} GB/s with {i.get('lp_trees')} trees; "
-                       f"dives gave {i.get('dive_trees')} trees.")
-        out.append(f"Fewest trees: integer program over {i.get('columns', i.get('mwu_trees'))} candidate "
-                   f"trees at >= {100 * IP_RATE_FRACTION:.0f}% of the LP rate ({i.get('ip_status')}; "
-                   f"no fewer than {i.get('tree_lower_bound')} trees can carry it, as no tree is "
+                       f"LP rate {i.get('lp_rate', 0):.2f} GB/s with {_n_trees(i.get('lp_trees'))}; "
+                       f"dives gave {_n_trees(i.get('dive_trees'))}.")
+        out.append(f"Fewest trees: integer program over "
+                   f"{_n_trees(i.get('columns', i.get('mwu_trees')), 'candidate tree')} at >= {100 * IP_RATE_FRACTION:.0f}% of the LP rate ({i.get('ip_status')}; "
+                   f"no fewer than {_n_trees(i.get('tree_lower_bound'))} can carry it, as no tree is "
                    f"wider than its narrowest link). Kept {i.get('solver_trees', self.num_trees)}.")
         if self.collective == "allreduce":
             if self.root is None:
                 out.append(
                     "Roots: a tree's link use does not depend on its root, so one root would reach the "
-                    f"same rate; the weights of the {i.get('solver_trees')} trees are split into "
+                    f"same rate; the weights of the {_n_trees(i.get('solver_trees'))} are split into "
                     f"{self.num_trees} (tree, root) pieces so that each device roots "
                     f"{self.rate / t.n:.2f} GB/s (1/n of the data), which spreads the final "
                     "reductions over all devices.")

@@ -28,10 +28,43 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (raised as :class:`UsageError`), not usage text."""
+    """An ArgumentParser whose errors are one line (raised as :class:`UsageError`), not usage text,
+    and whose options take values that start with ``-`` (``--size -4M`` reaches the option's own
+    check, which says what it takes, instead of argparse's "expected one argument")."""
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._join_dash_values(args), namespace)
+
+    def _join_dash_values(self, args: list[str]) -> list[str]:
+        """``--opt -x`` -> ``--opt=-x`` (``-o -x`` -> ``-o-x``) for options that take one value,
+        where ``-x`` is no option of this parser; everything after ``--`` is left alone."""
+        takes_one = {s for a in self._actions if a.nargs is None and a.option_strings
+                     for s in a.option_strings}
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--" or a in self._name_parser_map():  # the rest: literal, or a subcommand's own
+                return out + args[i:]
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if (a in takes_one and nxt is not None and nxt.startswith("-") and nxt != "--"
+                    and nxt.split("=")[0] not in self._option_string_actions):
+                out.append(f"{a}={nxt}" if a.startswith("--") else a + nxt)
+                i += 2
+                continue
+            out.append(a)
+            i += 1
+        return out
+
+    def _name_parser_map(self) -> dict:
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                return a._name_parser_map
+        return {}
 
 
 def bad(option: str, value, takes: str) -> UsageError:
@@ -59,21 +92,31 @@ def run_main(prog: str, body: Callable[[], int],
         return int(e.code or 0)
 
 
-def ensure_host_devices(n: int = N_HOST_DEVICES) -> None:
+def ensure_host_devices(n: int = N_HOST_DEVICES) -> str:
     """Ask XLA for ``n`` CPU host devices if JAX has not started its backends yet and nobody asked
-    already (on a GPU machine the flag changes nothing: the GPUs are the default devices)."""
+    already (on a GPU machine the flag changes nothing: the GPUs are the default devices).
+
+    Args:
+        n: CPU host devices to ask for.
+
+    Returns:
+        What was done, in words, for the tools to print on a machine without GPUs.
+    """
     # The package imports jax, but XLA reads its flags only when the first backend starts.
     try:
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
-            return
+            return "JAX had started before the tool could set XLA_FLAGS"
     except (ImportError, AttributeError):
-        return
+        return "XLA_FLAGS left as it is (this jax does not say whether its backends started)"
     flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("PJRT_NPROC", "16")  # DESIGN: avoids a deadlock of back-to-back launches
+    if "--xla_force_host_platform_device_count" in flags:
+        return "the device count is the one XLA_FLAGS already set"
+    flag = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return f"this tool set XLA_FLAGS={flag} before JAX started (without it JAX gives one CPU device)"
 
 
 # ------------------------------------------------------------------------------ argument types
@@ -150,9 +193,21 @@ def picture_path(option: str, text: str) -> str:
 
 
 def output_folder(option: str, text: str) -> str:
-    """A folder for result files: an existing folder we can write into, or one that can be made
-    there (its nearest existing parent is a folder we can write into; the tool makes it when it
-    writes, so that a run refused for another option leaves nothing behind)."""
+    """A folder for result files: an existing folder we can write into, or a new one whose parent
+    is a folder we can write into (the tool makes it when it writes, so that a run refused for
+    another option leaves nothing behind). A path whose parent is missing is refused: a mistyped
+    path must not become a tree of new folders.
+
+    Args:
+        option: the option's name, for the message.
+        text: the path given.
+
+    Returns:
+        ``text``, checked.
+
+    Raises:
+        UsageError: naming the option, the path and what is wrong with it.
+    """
     if not text.strip():
         raise bad(option, text, "takes a folder name")
     p = Path(text)
@@ -162,8 +217,12 @@ def output_folder(option: str, text: str) -> str:
         _probe(option, p, text)
         return text
     parent = p.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    if not parent.exists():
+        blocker = next((f for f in parent.parents if f.exists() and not f.is_dir()), None)
+        if blocker is not None:
+            raise bad(option, text, f"the folder cannot be made: {str(blocker)!r} is a file")
+        raise bad(option, text, f"its parent folder {str(parent)!r} does not exist; make it first "
+                                "(only the last folder of the path is made) or choose another")
     if not parent.is_dir():
         raise bad(option, text, f"the folder cannot be made: {str(parent)!r} is a file")
     _probe(option, parent, text)
@@ -217,3 +276,8 @@ def _fmt(nbytes: int) -> str:
             v = nbytes / (1 << shift)
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
     return str(nbytes)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` as a short size for messages: 512, 1.5K, 64M, 2G (binary units)."""
+    return _fmt(nbytes)

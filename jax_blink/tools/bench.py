@@ -138,7 +138,10 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     print(f"# jax_blink.tools.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}+ runs (more until {min_seconds:g} s per variant), "
           f"ours and lax taking turns")
-    print(f"# {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
+    print(f"# bytes/rank: each rank's operand (what -b/-e count); size: nccl-tests' size, the larger of a "
+          f"rank's input and output ({'= bytes/rank' if coll.size_factor(n) == 1 else f'{coll.size_factor(n)} x bytes/rank, the gathered output'}"
+          f"); algbw = size / time, busbw = algbw x {coll.bus_factor(n):.3g}")
+    print(f"# {'bytes/rank':>10} {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
           f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7} {'spread%':>9}"
           + (f" {'cb(us)':>9}" if command_buffers else "")
           + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else "")
@@ -179,7 +182,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        lax_busbw=size / t_psum / 1e9 * bus, speedup=t_psum / t_ours, wrong=wrong,
                        spread=spread(times_ours), lax_spread=spread(times_psum),
                        cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
-                       slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"), runs=len(times_ours))
+                       slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"), runs=len(times_ours),
+                       bytes_per_rank=count * jnp.dtype(dtype).itemsize)
             # Tuned: throughput is this row's size per second (autotune.tune_chunk), so size / it is
             # the time per call at the tuned chunk.
             t_tuned = size / tuned.throughput if tuned and tuned.throughput > 0 else float("nan")
@@ -187,7 +191,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        tuned_time_us=t_tuned * 1e6, tuned_speedup=t_psum / t_tuned)
             rows.append(row)
             spreads = f"{100 * row['spread']:.0f}/{100 * row['lax_spread']:.0f}"
-            print(f"  {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
+            print(f"  {row['bytes_per_rank']:>10} {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7} {spreads:>9}"
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else "")
@@ -300,12 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog=f"example: {PROG} -b 1K -e 16M -d float32 -c all -o results")
     ap.add_argument("-b", "--begin", default=1 << 10, type=_cli.byte_count, metavar="BYTES",
                     help="smallest size, bytes per rank (65536, 512K, 16M, 1G; default 1K)")
-    ap.add_argument("-e", "--end", default=64 << 20, type=_cli.byte_count, metavar="BYTES",
-                    help="largest size, bytes per rank, >= --begin (default 64M)")
+    ap.add_argument("-e", "--end", default=4 << 20, type=_cli.byte_count, metavar="BYTES",
+                    help="largest size, bytes per rank, >= --begin (default 4M)")
     ap.add_argument("-f", "--factor", type=_cli.whole_number(2), default=4,
                     help="each size is the previous one times this, >= 2 (default 4)")
-    ap.add_argument("-d", "--dtype", default=["float32", "bfloat16"], type=_dtypes_arg, metavar="DTYPES",
-                    help=f"comma-separated dtypes from {', '.join(DTYPES)} (default float32,bfloat16; "
+    ap.add_argument("-d", "--dtype", default=["float32"], type=_dtypes_arg, metavar="DTYPES",
+                    help=f"comma-separated dtypes from {', '.join(DTYPES)} (default float32; "
                          "float64 and int64 need JAX_ENABLE_X64=1)")
     ap.add_argument("-k", "--chain", type=_cli.whole_number(1, _MAX_CHAIN), default=20, metavar="K",
                     help=f"chained calls per program, 1 to {_MAX_CHAIN} (default 20)")
@@ -392,6 +396,13 @@ def _check_run(a: argparse.Namespace) -> None:
         for count in [max(1, largest // jnp.dtype(d).itemsize)])
     needed = per_rank * n if devices[0].platform == "cpu" else per_rank
     _cli.check_fits("-e/--end", largest, devices, needed)
+    rows = len(sizes(a.begin, a.end, a.factor)) * len(a.dtype) * len(a.collective)
+    where = "all devices together (host memory)" if devices[0].platform == "cpu" else "per device"
+    print(f"# this run: {rows} row(s) ({len(sizes(a.begin, a.end, a.factor))} sizes {_fmt_bytes(a.begin)} to "
+          f"{_fmt_bytes(largest)} bytes per rank x {len(a.dtype)} dtype(s) x {len(a.collective)} collective(s)) "
+          f"on {n} x {devices[0].device_kind}; about {_cli.format_bytes(needed)} of memory {where} at the largest size; "
+          f"each row compiles ours and lax{' (twice with --slope)' if a.slope else ''} and runs each for at "
+          f"least {a.min_time:g} s", flush=True)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,8 @@
-"""Command line: ``python -m jax_blink plan ...`` (the main job), ``demo``, ``crossover``, and
-``python -m jax_blink run SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited:
-jax_blink.switch).
+"""Command line (``python -m jax_blink`` or the ``jax-blink`` script): ``demo`` (the main job: the
+paper's result in the model, every collective checked against lax and all_reduce timed against
+lax.psum on the devices here, :mod:`jax_blink.tools.demo`), ``plan``, ``crossover``, ``run
+SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch), and
+``bench`` / ``train``, which forward to ``python -m jax_blink.tools.bench`` / ``.tools.train``.
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
 
@@ -20,11 +22,13 @@ names the option, what it got and what it takes, and exit status 2 (:mod:`jax_bl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from jax_blink.tools.arguments import Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
-from jax_blink.tools.arguments import check_fits, input_file, whole_number
+from jax_blink.tools.arguments import BYTE_COUNT, check_fits, input_file, whole_number
+from jax_blink.tools.demo import DEFAULT_SIZES
 
 PROG = "python -m jax_blink"
 _MAX_DEVICES = 128  # nvswitch:128 plans in about 50 s on one core; more would run for many minutes
@@ -46,9 +50,11 @@ def _topology_arg(text: str) -> str:
 
 def _parse_devices(text: str | None) -> list[int] | None:
     """--devices: ids such as 0,1,4 or 0-3 (ranges inclusive), each once; None: all devices."""
-    if text is None or text.strip() == "":
-        return None
     takes = "takes device ids such as 0,1,4 or 0-3, each id once"
+    if text is None:
+        return None
+    if not text.strip():  # an empty list is a mistake (leave --devices out for every device)
+        raise bad("--devices", text, f"{takes}; leave the option out for every device")
     out = []
     for part in text.split(","):
         part = part.strip()
@@ -145,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         where = f"root {root}"
     print(f"{args.collective} plan ({args.method}), {where}: {len(p.trees)} tree(s), "
-          "each with its share of the algbw")
+          "each with its share of the algbw (every rate here is MODELLED from the topology's link rates)")
     for i, (tree, w) in enumerate(p.trees):
         print(_format_tree(tree, w, i))
     if topo.n == 1:
@@ -166,6 +172,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for r, b in zip(rp.rings, rp.rates):
             print(f"  {' -> '.join(map(str, r))} -> {r[0]}: {b:g} GB/s")
         print(f"trees {ta:.4g} vs rings {ra:.4g} GB/s algbw: {ta / ra:.2f}x" if ra > 0 else "")
+        from jax_blink.tools.demo import uniform_mesh
+        if uniform_mesh(topo):
+            print(f"{topo.name} is a uniform mesh (every pair the same modelled rate): trees == rings in rate "
+                  "here; Blink's gain needs links that differ or are missing (try --topology dgx1v --devices 0,1,4)")
         print(f"({_ALGBW}; in the model, at large sizes)")
         tt, tc = best_time(p, args.collective, args.size)
         rt, _ = best_time(rp, args.collective, args.size)
@@ -179,6 +189,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes_arg(text: str) -> list[int]:
+    """--size: one or more byte counts, comma-separated."""
+    parts = [t for t in text.split(",")]
+    if not all(t.strip() for t in parts):
+        raise argparse.ArgumentTypeError(f"got {text!r}; takes comma-separated sizes, each {BYTE_COUNT}")
+    return list(dict.fromkeys(byte_count(t) for t in parts))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
@@ -186,12 +204,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from jax_blink.tools.demo import run_demo, bytes_needed
 
     itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
-    if args.size % itemsize:
-        raise bad("--size", _bytes(args.size), f"takes a whole number of {args.dtype} elements "
-                                               f"({itemsize} bytes each) per rank")
+    for size in args.size:
+        if size % itemsize:
+            raise bad("--size", _bytes(size), f"takes a whole number of {args.dtype} elements "
+                                              f"({itemsize} bytes each) per rank")
     devices = jax.devices()
-    check_fits("--size", args.size, devices, bytes_needed(args.size, args.dtype, devices))
-    return run_demo(args.size, args.dtype, args.plot)
+    check_fits("--size", max(args.size), devices, bytes_needed(max(args.size), args.dtype, devices))
+    return run_demo(args.size, args.dtype, args.plot, flags_note=args.flags_note)
 
 
 def cmd_crossover(args: argparse.Namespace) -> int:
@@ -211,10 +230,31 @@ def cmd_crossover(args: argparse.Namespace) -> int:
 
 
 _EXAMPLES = f"""examples:
+  {PROG} demo                      (the main job: the paper in the model, the collectives checked and timed here)
   {PROG} plan --topology dgx1v --devices 0,1,4 --plot trees.png
-  {PROG} demo --size 16M --dtype bfloat16
-  {PROG} COMMAND --help      (every size is bytes per rank: 65536, 512K, 16M, 1G)
-  {PROG}.bench --help        (our collectives against lax's, timed and checked)"""
+  {PROG} run --report train.py     (train.py's lax collectives on jax_blink, unedited)
+  {PROG} bench -c all -b 1K -e 1M  (= python -m jax_blink.tools.bench)
+  {PROG} train --model gpt2        (= python -m jax_blink.tools.train)
+  {PROG} COMMAND --help            (every size is bytes per rank: 65536, 512K, 16M, 1G)
+The jax-blink command (installed with the package) is the same as {PROG}.
+Without a GPU every command asks XLA for 8 CPU host devices before JAX starts (XLA_FLAGS), unless
+XLA_FLAGS already names a device count."""
+
+RUN_HELP = f"""usage: {PROG} run [--report] [--] SCRIPT.py [ARGS...]
+
+Run SCRIPT.py with ARGS as `python SCRIPT.py ARGS...` would, with the switch on
+(jax_blink.install()): its lax collectives (psum, all_gather, psum_scatter, ...) run on
+jax_blink's executor where jax_blink's dispatch says so, with no edit to the script. The
+script's sys.argv, exit status and exceptions are its own.
+
+options (before SCRIPT.py; everything after it is the script's):
+  -h, --help   this text
+  --report     when the script ends, print the switch's decisions to stderr: each collective
+               lowered, and whether it ran on jax_blink or on XLA's own, and why
+  --           ends the options (for a script whose name starts with -)
+
+Without a GPU, XLA is asked for 8 CPU host devices before JAX starts (unless XLA_FLAGS already
+names a device count), and a line on stderr says so."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,9 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw the trees to this picture file (.png, .pdf, .svg, ...)")
     pp.set_defaults(func=cmd_plan)
 
-    pd = sub.add_parser("demo", help="run jax_blink.all_reduce against lax.psum on the devices here")
-    pd.add_argument("--size", type=byte_count, default=4 << 20, metavar="BYTES",
-                    help="bytes per rank, a whole number of elements: 65536, 512K, 16M, 1G (default 4M)")
+    pd = sub.add_parser("demo", help="the main job: Blink's trees vs rings in the model, every collective "
+                                     "checked against lax and all_reduce timed against lax.psum here")
+    pd.add_argument("--size", type=_sizes_arg, default=list(DEFAULT_SIZES), metavar="BYTES[,BYTES...]",
+                    help="bytes per rank to time all_reduce at, each a whole number of elements: 65536, "
+                         f"512K, 16M, 1G (default {','.join(_bytes(b) for b in DEFAULT_SIZES)})")
     pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"],
                     help="element type (default float32)")
     pd.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),
@@ -261,10 +303,96 @@ def build_parser() -> argparse.ArgumentParser:
                          "every dtype the runs measured, lax only where lax won in each)")
     pc.set_defaults(func=cmd_crossover)
 
-    # Handled by main() before parsing (its arguments belong to the script); listed for --help.
+    # Handled by main() before parsing (their arguments belong to the script or the tool); listed for --help.
     sub.add_parser("run", help="run SCRIPT.py [ARGS...] as python would, its lax collectives on "
-                               "jax_blink (jax_blink.install())")
+                               "jax_blink (jax_blink.install()); run --help says more")
+    sub.add_parser("bench", help="our collectives against lax's, timed and checked, nccl-tests style "
+                                 "(python -m jax_blink.tools.bench; bench --help)")
+    sub.add_parser("train", help="data-parallel ResNet/GPT-2 training, psum against jax_blink "
+                                 "(python -m jax_blink.tools.train; train --help)")
+    pe = sub.add_parser("env", help="what a bug report needs: versions, executors and their GPU architectures, "
+                                    "GPUs, driver, links, peer access, what jax_blink would run here")
+    pe.set_defaults(func=cmd_env)
     return parser
+
+
+def cmd_env(args) -> int:
+    """``env``: the environment report (jax_blink/tools/env_report.py), to paste into a bug report."""
+    import jax
+
+    from jax_blink.tools import env_report
+    if args.flags_note and jax.devices()[0].platform == "cpu":
+        print(f"(no GPU: {args.flags_note})")
+    print(env_report.report())
+    return 0
+
+
+def _script_frames(tb, script: str):
+    """The traceback from the script's first frame on (the frames of this tool and runpy dropped),
+    as `python SCRIPT.py` shows it."""
+    start = tb
+    while start is not None and os.path.abspath(start.tb_frame.f_code.co_filename) != script:
+        start = start.tb_next
+    return start or tb
+
+
+def cmd_run(argv: list[str]) -> int:
+    """``run [--report] [--] SCRIPT.py [ARGS...]``: the script as python runs it, with the switch on."""
+    report = False
+    while argv and argv[0].startswith("-"):
+        opt = argv.pop(0)
+        if opt == "--":
+            break
+        if opt in ("-h", "--help"):
+            print(RUN_HELP)
+            return 0
+        if opt != "--report":
+            raise UsageError(f"run: unknown option {opt!r}; run takes --report and -- before SCRIPT.py "
+                             f"(see {PROG} run --help)")
+        report = True
+    if not argv:
+        raise UsageError(f"run: no script given; usage: {PROG} run [--report] [--] SCRIPT.py [ARGS...]")
+    path = argv[0]
+    if os.path.isdir(path):
+        raise UsageError(f"run: {path!r} is a folder; run takes a Python script file (SCRIPT.py)")
+    if not os.path.isfile(path):
+        raise UsageError(f"run: can't open file {path!r}: no such file")
+    note = ensure_host_devices()
+    if note.startswith("this tool set"):
+        print(f"{PROG} run: {note} (on a machine with GPUs it changes nothing)", file=sys.stderr)
+    import runpy
+    import traceback
+
+    import jax_blink
+
+    script = os.path.abspath(path)
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` puts its folder first
+    if report:
+        import atexit
+
+        atexit.register(_print_report)
+    jax_blink.install()
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 (shown as python shows it, then exit 1)
+        sys.stdout.flush()
+        lines = traceback.format_exception(type(e), e, _script_frames(e.__traceback__, script))
+        print("".join(lines), end="", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    return 0
+
+
+def _print_report() -> None:
+    import jax_blink
+
+    decisions = jax_blink.switch_report()
+    on = sum(d.runs_on == "jax_blink" for d in decisions)
+    lines = [f"jax_blink switch: {len(decisions)} collective(s) lowered, {on} on jax_blink, "
+             f"{len(decisions) - on} on XLA"] + [f"  {d}" for d in decisions]
+    print("\n".join(lines), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -272,15 +400,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         # `run SCRIPT.py [ARGS...]`: the script as `python SCRIPT.py ARGS...` runs it, with the
-        # switch on (jax_blink.switch). Its arguments are its own, its environment untouched, and
-        # its exit status and exceptions pass through.
-        from jax_blink.switch.rules import run_script
-        return run_script(argv[1:])
-    ensure_host_devices()
+        # switch on (jax_blink.switch). Its arguments are its own, and its exit status and
+        # exceptions pass through.
+        return run_main(PROG, lambda: cmd_run(argv[1:]), usage_errors=(UsageError,))
+    if argv[:1] == ["bench"]:
+        from jax_blink.tools import bench
+        return bench.main(argv[1:])
+    if argv[:1] == ["train"]:
+        from jax_blink.tools.train.__main__ import main as train_main
+        return train_main(argv[1:])
+    flags_note = ensure_host_devices()
     parser = build_parser()
 
     def body() -> int:
         args = parser.parse_args(argv)
+        args.flags_note = flags_note
         return args.func(args)
 
     return run_main(PROG, body)

@@ -60,8 +60,10 @@ def check_path(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir():
-        raise FileNotFoundError(f"cannot write the picture {str(p)!r}: folder {str(folder)!r} does not exist; "
-                                f"create it first or choose another path")
+        blocker = next((f for f in (folder, *folder.parents) if f.exists() and not f.is_dir()), None)
+        why = (f"{str(blocker)!r} is a file, not a folder; choose another path" if blocker is not None
+               else f"folder {str(folder)!r} does not exist; create it first or choose another path")
+        raise FileNotFoundError(f"cannot write the picture {str(p)!r}: {why}")
     fmt = p.suffix.lstrip(".").lower()
     formats = _formats()
     if fmt not in formats:
@@ -567,8 +569,13 @@ def draw_plan(plan: Any, path: str | os.PathLike[str] | None = None, *, fig: Any
         ring_s = f"; NCCL-style rings {ring:.4g}" if ring is not None else ""
         bound = float(getattr(plan, "bound", float("nan")))
         n = len(plan.trees)
-        title = (f"{topo.name} {name}: {n} tree{'s' if n != 1 else ''}, {float(plan.rate):.4g} GB/s algbw "
-                 f"(bound {bound:.4g}{ring_s})\n{_FLOW.get(plan.collective, '')}")
+        # Every rate in the picture is the model's (link rates of the topology), never a measurement.
+        same = ""
+        if ring is not None and _is_full_mesh(topo) and len(set(topo.capacity(a, b) for a, b in
+                                                                 topo.simple_graph().edges)) == 1:
+            same = "; a uniform mesh: trees and rings have the same rate here"
+        title = (f"{topo.name} {name}: {n} tree{'s' if n != 1 else ''}, modelled {float(plan.rate):.4g} GB/s "
+                 f"algbw per rank (cut bound {bound:.4g}{ring_s}){same}\n{_FLOW.get(plan.collective, '')}")
     longest = max(len(line) for line in title.splitlines()) if title else 1
     fs = min(12.0, max(7.0, fw * 72 / (0.56 * longest)))  # the longest line fits the width
     fig.suptitle(title, fontsize=fs, y=1 - 0.08 / fh, va="top")

@@ -143,3 +143,24 @@ def test_interleaved_times_take_turns_and_run_small_programs_longer():
     assert sum(times[0]) >= 0.02 and (len(times[0]) == 2 or sum(times[0][:-1]) < 0.02)
     times = bench.interleaved_times([_FakeProgram("f", [], 0.001)], None, runs=2, min_seconds=10, max_runs=7)
     assert len(times[0]) == 7
+
+
+def test_defaults_a_laptop_survives():
+    """The defaults: 1K to 4M bytes per rank, float32 only (measured with the old and the new defaults:
+    benchmarks/results/demo-cpu-8dev-2026-11-25.txt)."""
+    a = bench.build_parser().parse_args([])
+    assert (a.begin, a.end, a.dtype, a.collective) == (1 << 10, 4 << 20, ["float32"], ["allreduce"])
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
+def test_columns_say_which_size_each_is(capsys):
+    """All-gather's nccl-tests size is the gathered output, n x the bytes per rank that -b/-e
+    count: the table shows both, and says what the run will take before it starts."""
+    n = jax.device_count()
+    assert bench.main(["-c", "allgather", "-b", "1K", "-e", "1K", "-k", "1", "-r", "1", "--min-time", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# this run: 1 row(s)") and "of memory" in out
+    assert f"({n} x bytes/rank, the gathered output)" in out
+    header = next(line for line in out.splitlines() if "bytes/rank" in line and "dtype" in line).split()
+    row = next(line for line in out.splitlines() if line.startswith("  ")).split()
+    assert header[1:3] == ["bytes/rank", "size"] and row[:2] == ["1024", str(1024 * n)]

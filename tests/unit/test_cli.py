@@ -1,4 +1,4 @@
-"""The command line: ``python -m jax_blink plan|demo|crossover`` and ``python -m jax_blink.tools.bench``.
+"""The command line: ``python -m jax_blink plan|demo|crossover|run|bench|train`` and the tools.
 
 Every bad value of every option is a usage error before any work starts: exit status 2, nothing on
 stdout, one line on stderr naming the option, what it got and what it takes. Most cases run the
@@ -69,6 +69,21 @@ MAIN_CASES = [
     (["demo", "--size", "1001"], "--size", "1001", "whole number of float32 elements"),
     (["demo", "--size", "2K", "--dtype", "bfloat16", "--size", "3"], "--size", "'3'", "bfloat16 elements"),
     (["demo", "--size", "-4"], "--size", "'-4'", "bytes per rank"),
+    (["demo", "--size", "-4M"], "--size", "'-4M'", "bytes per rank"),  # was argparse's "expected one argument"
+    (["demo", "--size", "1K,,4K"], "--size", "'1K,,4K'", "comma-separated"),
+    (["plan", "--devices", ""], "--devices", "''", "leave the option out"),  # planned for every device
+    (["plan", "--plot", str(ROOT / "pyproject.toml" / "x.png")], "--plot", "pyproject.toml", "is a file, not a folder"),
+    (["run", str(ROOT / "examples")], "run", "examples", "is a folder"),  # said "no such file"
+    (["run", "no-such-script.py"], "run", "no-such-script.py", "no such file"),
+    (["run"], "run", None, "no script given"),
+    (["run", "--bogus", "x.py"], "run", "'--bogus'", "--report"),
+    (["bench", "-b", "-1K"], "-b/--begin", "'-1K'", "bytes per rank"),  # bench through python -m jax_blink
+    (["bench", "-e", "-1K"], "-e/--end", "'-1K'", "bytes per rank"),
+    (["train", "--model", "gpt2", "--out", "/proc/x"], "--out", "/proc/x", "cannot write into"),
+    (["train", "--model", "gpt2", "--out", "/nonexistent-jax-blink/x"], "--out", "/nonexistent-jax-blink/x",
+     "does not exist"),  # used to make the folders without a word
+    (["train", "--model", "gpt2", "--out", "x", "--no-write"], "--out", None, "contradict"),
+    (["train", "--model", "gpt2", "--steps", "-3"], "--steps", None, ">= 1"),
     (["demo", "--size", "4.5K"], "--size", "'4.5K'", "bytes per rank"),
     (["demo", "--size", "512G"], "--size", "512G", "needs about"),  # more memory than any machine here
     (["demo", "--dtype", "complex64"], "--dtype", "'complex64'", "choose from"),
@@ -102,7 +117,8 @@ def _bench_cases(tmp: Path):
         (["-b", "1X"], "-b/--begin", "'1X'", "such as 65536, 512K, 16M or 1G"),
         (["-b", "0"], "-b/--begin", "'0'", "at least 1"),
         (["-e=-1K"], "-e/--end", "'-1K'", "bytes per rank"),
-        (["-e", "-1K"], "-e/--end", None, "expected one argument"),  # argparse: -1K reads as an option
+        (["-e", "-1K"], "-e/--end", "'-1K'", "bytes per rank"),  # was argparse's "expected one argument"
+        (["-b", "-1K"], "-b/--begin", "'-1K'", "bytes per rank"),
         (["-e", "512G", "-c", "allgather"], "-e/--end", None, "needs about"),  # cannot fit anywhere here
         (["-d", "complex64"], "-d/--dtype", "'complex64'", "float32, bfloat16"),  # was a traceback
         (["-d", "float32,,bfloat16"], "-d/--dtype", "'float32,,bfloat16'", "comma-separated"),
@@ -115,6 +131,7 @@ def _bench_cases(tmp: Path):
         (["--ceiling", "inf"], "--ceiling", "'inf'", "finite"),
         (["-o", str(a_file)], "-o/--out", str(a_file), "folder"),
         (["-o", str(a_file / "sub")], "-o/--out", str(a_file / "sub"), "cannot be made"),
+        (["-o", str(tmp / "missing" / "sub")], "-o/--out", "sub", "does not exist"),  # no tree of new folders
         (["--kind", "a/b"], "--kind", "'a/b'", "letters, digits"),
         (["--kind", ""], "--kind", "''", "letters, digits"),
         (["--slope", "10"], "--slope", "10", "longer than -k/--chain (20)"),
@@ -133,6 +150,15 @@ def test_bench_bad_input_is_a_usage_error(tmp_path, capsys):
     for argv, option, got, takes in _bench_cases(tmp_path):
         line = _usage_error(capsys, bench.main(argv), option, got)
         assert takes in line, (argv, line)
+
+
+def test_train_out_is_checked_before_any_work(tmp_path, capsys):
+    """--out naming a file, or a folder of a file: refused before training (it used to train first)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "sub"):
+        line = _usage_error(capsys, main(["train", "--model", "gpt2", "--out", str(out)]), "--out", str(out))
+        assert "file" in line, line
 
 
 def test_bench_64_bit_dtypes_need_x64(capsys):
@@ -165,10 +191,14 @@ def test_bench_plot_only_draws_an_earlier_table(tmp_path, capsys):
 def test_subprocess_bad_input_ends_at_once():
     """End to end: the cases that used to hang or print first, each as a new user runs it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cases = [(["-m", "jax_blink.tools.bench", "-f", "1"], "-f/--factor"),
-             (["-m", "jax_blink", "plan", "--size", "-5"], "--size")]
+    cases = [(["-m", "jax_blink.tools.bench", "-f", "1"], "-f/--factor", {}),
+             (["-m", "jax_blink", "plan", "--size", "-5"], "--size", {}),
+             (["-m", "jax_blink.tools.train", "--model", "gpt2", "--out", "/proc/x"], "--out", {}),
+             # read while the package imports: was an 18-line traceback
+             (["-m", "jax_blink", "demo"], "JAX_BLINK_DISPATCH='fast'", {"JAX_BLINK_DISPATCH": "fast"}),
+             (["-m", "jax_blink", "bench"], "JAX_BLINK_DISPATCH='fast'", {"JAX_BLINK_DISPATCH": "fast"})]
     procs = [(subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, cwd=ROOT), option) for argv, option in cases]
+                               text=True, env=dict(env, **more), cwd=ROOT), option) for argv, option, more in cases]
     for proc, option in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and out == "", (option, out, err)
@@ -236,7 +266,12 @@ def test_help_says_sizes_are_bytes_per_rank(capsys):
 
     plan_help = help_text(main, ["plan", "--help"])
     assert "--collective" in plan_help and "--size BYTES bytes per rank for the time model" in plan_help
-    assert "--size BYTES bytes per rank, a whole number of elements" in help_text(main, ["demo", "--help"])
+    assert "--size BYTES[,BYTES...] bytes per rank to time all_reduce at, each a whole number of elements" \
+        in help_text(main, ["demo", "--help"])
+    top = help_text(main, ["--help"])
+    assert all(w in top for w in ("bench", "train", "run", "demo", "jax-blink"))
+    run_help = help_text(main, ["run", "--help"])
+    assert "--report when the script ends, print the switch's decisions" in run_help
     bench_help = help_text(bench.main, ["--help"])
     assert "--begin BYTES smallest size, bytes per rank" in bench_help
     assert "--end BYTES largest size, bytes per rank" in bench_help
@@ -262,20 +297,65 @@ def test_single_device_and_mwu(capsys):
     assert "reduce plan (mwu), root 4" in out and "model at 64M bytes per rank" in out
 
 
-def test_demo_runs_all_reduce_against_psum(tmp_path, capsys):
+_ROW = re.compile(r"^ +(\S+)  (the executor(?: \(dispatch=blink\))?|lax\.psum \([^)]*\))"
+                  r"(?: MISMATCH.*?)? +([\d.]+) +([\d.]+) +([\d.]+)x$")
+
+
+def _timing_rows(out: str) -> list[tuple[str, str]]:
+    """(size, the path printed) for each row of the demo's timing table."""
+    return [(m.group(1), m.group(2)) for m in map(_ROW.match, out.splitlines()) if m]
+
+
+def test_demo_tells_the_story_with_every_number_labelled(tmp_path, capsys):
     png = tmp_path / "demo.png"
-    assert main(["demo", "--size", "4000", "--plot", str(png)]) == 0  # 1000 float32 per rank
+    assert main(["demo", "--size", "1K,64K", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    if len(jax.devices()) == 1:  # one GPU (CPU runs get host devices from the conftest)
-        assert "one device: nothing to reduce across" in out
+    assert "jax_blink.backends() = " in out and "CPU executor built" in out  # what the install built
+    assert "1. The paper's result, reproduced in the model (MODELLED" in out
+    assert re.search(r"DGX-1V +0,1,4 +allreduce .* pcie .* [\d.]+x +[\d.]+x", out)
+    assert "The paper MEASURED on DGX-1V" in out
+    if jax.device_count() == 1:  # one GPU (CPU runs get host devices from the conftest)
+        assert "a collective needs 2 or more devices" in out and "inf" not in out
         return
-    assert "results agree with lax.psum" in out
-    assert "jax_blink executor" in out and "lax.psum" in out
-    assert "4000 bytes = 1000 x float32 per rank" in out
+    assert "2. " in out and "MODELLED" in out.split("2. ", 1)[1]
+    checks = out.split("3. ", 1)[1].split("4. ", 1)[0]
+    assert checks.count("ran on the executor; agrees") == 5, checks  # every collective, against lax
+    assert "TIMED here (measured" in out and "float32" in out
+    assert [size for size, _ in _timing_rows(out)] == ["1K", "64K"]
+    assert "MISMATCH" not in out and "matches the dispatch decision" in out
     assert png.stat().st_size > 0
-    if jax.default_backend() == "cpu":  # says what runs on these devices
-        assert "the CPU executor" in out and "CPU executor: 4000 bytes per rank on" in out
-        assert "CUDA" not in out and "GPU" not in out
+    if jax.default_backend() == "cpu":
+        assert "8 x cpu (CPU host devices)" in out
+        assert "host:8 is a uniform mesh" in out and "trees == rings" in out
+        assert "rate inf" not in out
+
+
+@pytest.mark.parametrize("dispatch", ["lax", "blink", "auto"])
+def test_demo_times_the_path_it_prints(dispatch, capsys):
+    """The decision the demo prints for a size is the program it times: the compiled program holds
+    jax_blink's custom call exactly where a row says the executor, whichever way dispatch goes."""
+    from jax_blink.lowering.dispatch_table import prefer_lax
+    from jax_blink.options.settings import override
+    from jax_blink.tools.demo import runs_executor, timed_programs, timing_lines
+
+    if jax.device_count() < 2:
+        pytest.skip("one device: the demo times nothing")
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sizes = [1 << 10, 64 << 10]
+    with override(dispatch=dispatch):
+        lines, consistent = timing_lines(mesh, "data", sizes, "float32", runs=1, min_seconds=0)
+        compiled = [runs_executor(*timed_programs(mesh, "data", b, "float32")[::2]) for b in sizes]
+    rows = _timing_rows("\n".join(lines))
+    assert consistent and len(rows) == 2, lines
+    said = [path.startswith("the executor") for _, path in rows]
+    assert said == compiled, (lines, compiled)
+    kind = jax.devices()[0].device_kind
+    expected = {"lax": [False, False], "blink": [True, True],
+                "auto": [not prefer_lax(kind, n, b, dtype="float32") for b in sizes]}[dispatch]
+    assert said == expected, lines
+    if dispatch == "lax":
+        assert all(path == "lax.psum (dispatch=lax)" for _, path in rows)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -283,7 +363,9 @@ def test_demo_size_takes_the_byte_grammar(dtype, capsys):
     if jax.device_count() < 2:
         pytest.skip(f"one {jax.default_backend()} device here: the demo has nothing to reduce across")
     assert main(["demo", "--size", "2K", "--dtype", dtype]) == 0  # results agree within the dtype's rounding
-    assert f"2048 bytes = 1024 x {dtype} per rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"TIMED here (measured: wall time per call of one jitted shard_map on {jax.device_count()} x" in out
+    assert f", {dtype}, median" in out and [s for s, _ in _timing_rows(out)] == ["2K"]
 
 
 def test_explain_describes_the_topology_devices_not_this_machine():
@@ -323,8 +405,8 @@ def test_crossover_prints_the_entry_that_tuning_holds(capsys, monkeypatch):
 class _FakeDevice:
     """Stands in for a jax device of another platform (the GPU branches, checked without a GPU)."""
 
-    def __init__(self, platform, limit=None):
-        self.platform, self._limit = platform, limit
+    def __init__(self, platform, limit=None, kind="fake"):
+        self.platform, self._limit, self.device_kind = platform, limit, kind
 
     def memory_stats(self):
         return None if self._limit is None else {"bytes_limit": self._limit, "bytes_in_use": 0}
@@ -342,13 +424,86 @@ def test_memory_check_reads_a_gpu_limit_per_device():
     _cli.check_fits("--size", 1 << 30, [_FakeDevice("gpu")], 1 << 60)
 
 
-def test_demo_names_the_executor_of_its_devices():
-    from jax_blink.tools.demo import _executor_line, bytes_needed
+def test_demo_names_the_executors_built():
+    from jax_blink.tools.demo import bytes_needed, executors_line
 
-    assert "the CUDA executor" in _executor_line([_FakeDevice("gpu")], {"cpu": True, "gpu": True})
-    assert "not built" in _executor_line([_FakeDevice("gpu")], {"cpu": True, "gpu": False})
-    assert "the CPU executor" in _executor_line([_FakeDevice("cpu")], {"cpu": True, "gpu": False})
-    assert "falls back to lax" in _executor_line([_FakeDevice("tpu")], {"cpu": True, "gpu": True})
+    line = executors_line({"cpu": True, "gpu": True}, "cpu")
+    assert "CPU executor built" in line and "no GPU here, so it does not run" in line
+    assert "CUDA executor built" in executors_line({"cpu": True, "gpu": True}, "gpu")
+    assert "not built" in executors_line({"cpu": True, "gpu": False}, "cpu")
     # GPUs: one device's share; CPU host devices share the host's memory: all of them
-    assert bytes_needed(1 << 20, "float32", [_FakeDevice("gpu")] * 8) == 5 << 20
-    assert bytes_needed(1 << 20, "float32", [_FakeDevice("cpu")] * 8) == 8 * (5 << 20) + 8 * 3 * (1 << 20)
+    assert bytes_needed(1 << 20, "float32", [_FakeDevice("gpu")] * 8) == 4 << 20
+    assert bytes_needed(1 << 20, "float32", [_FakeDevice("cpu")] * 8) == 8 * (4 << 20) + 8 * 3 * (1 << 20)
+
+
+@pytest.mark.parametrize("kind, board", [("NVIDIA H100 80GB HBM3", "nvswitch:8"), ("NVIDIA H200", "nvswitch:8"),
+                                         ("Tesla V100-SXM2-16GB", "dgx1v")])
+def test_demo_on_one_gpu_says_what_it_cannot_show(kind, board):
+    """One GPU: the model for the board it likely sits in, and plainly no collective (no 'rate inf',
+    no timing); the CUDA self-test named for the kernels with ranks as streams."""
+    from jax_blink.tools.demo import one_device_lines
+
+    text = "\n".join(one_device_lines(_FakeDevice("gpu", kind=kind)))
+    assert f"One {kind}" in text and board in text and "MODELLED" in text
+    assert "a collective needs 2 or more devices" in text and "benchmarks/gpu_session.sh" in text
+    assert "inf" not in text and " us " not in text.split("3.-4.")[1]
+    cpu = "\n".join(one_device_lines(_FakeDevice("cpu")))
+    assert "xla_force_host_platform_device_count=8" in cpu
+
+
+# ----------------------------------------------------------------------------------- rough edges of the API
+def test_all_reduce_takes_bool_as_lax_psum_does():
+    """lax.psum sums bools as int32; jax_blink.all_reduce the same, on the executor or through lax."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_blink
+    from jax_blink.options.settings import override
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    x = jax.device_put(np.arange(4 * n) % 3 == 0, NamedSharding(mesh, P("data")))
+
+    def run(fn):
+        return jax.jit(jax.shard_map(lambda v: fn(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
+
+    ref = run(jax.lax.psum)
+    for dispatch in ("blink", "auto", "lax"):
+        with override(dispatch=dispatch):
+            ours = run(jax_blink.all_reduce)
+        assert ours.dtype == ref.dtype and np.array_equal(ours, ref), dispatch
+    with override(dispatch="blink"):
+        anyone = run(lambda v, a: jax_blink.all_reduce(v, a, op="max"))
+    assert anyone.dtype == np.bool_ and np.array_equal(anyone, np.asarray(ref) > 0)
+
+
+def test_all_gather_takes_to_where_lax_does():
+    import inspect
+
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_blink
+
+    lax_to = inspect.signature(jax.lax.all_gather).parameters.get("to")
+    ours_to = inspect.signature(jax_blink.all_gather).parameters.get("to")
+    assert (ours_to is None) == (lax_to is None)
+    if lax_to is None:
+        return
+    assert ours_to.default == lax_to.default
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    x = jax.device_put(np.arange(2.0 * n, dtype=np.float32), NamedSharding(mesh, P("data")))
+    for fn in (jax.lax.all_gather, jax_blink.all_gather):
+        for to, out in (("varying", P("data")), ("invarying", P())):
+            got = jax.jit(jax.shard_map(lambda v: fn(v, "data", tiled=True, to=to), mesh=mesh,
+                                        in_specs=P("data"), out_specs=out))(x)
+            assert np.array_equal(np.asarray(got)[: 2 * n], np.asarray(x)), (fn, to)
+
+
+def test_explain_counts_one_tree():
+    from jax_blink.planning.packing import plan
+
+    p = plan(Topology.preset("dgx1v").subset([0, 3, 4]), "broadcast", 0)
+    assert p.num_trees == 1
+    assert ": 1 tree, rate" in p.explain() and "1 trees" not in p.explain() + repr(p)

@@ -239,3 +239,21 @@ def test_labels_of_mixed_parallel_and_one_way_links():
         assert "dashed: PCIe/host" in ax.get_title()
     finally:
         plt.close(ax.figure)
+
+
+def test_titles_say_the_rates_are_modelled_and_when_trees_equal_rings(plans):
+    """The figure's title labels its numbers as the model's; on a uniform mesh (host devices, a
+    switch) it says trees and rings have the same rate there, and not on a DGX-1 allocation."""
+    uniform = draw.draw_plan(plans["host:8 allreduce"])._suptitle.get_text()
+    assert "modelled 40 GB/s algbw per rank" in uniform and "NCCL-style rings 40" in uniform
+    assert "uniform mesh: trees and rings have the same rate here" in uniform
+    partial = draw.draw_plan(plans["dgx1v[0,1,4] allreduce"])._suptitle.get_text()
+    assert "modelled" in partial and "uniform" not in partial
+    plt.close("all")
+
+
+def test_a_file_in_the_way_of_the_folder_is_named(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(FileNotFoundError, match="a-file' is a file, not a folder"):
+        draw.check_path(blocker / "sub" / "trees.png")

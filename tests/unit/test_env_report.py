@@ -26,3 +26,17 @@ def test_a_failing_probe_is_reported_not_raised(monkeypatch):
 
     monkeypatch.setattr(env_report, "_links", broken)
     assert "unknown (RuntimeError: NVML exploded)" in env_report.report()
+
+
+def test_the_command_line_prints_it():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "jax_blink", "env"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "== What jax_blink would run here" in out.stdout
+    if "== GPUs\n  none visible" in out.stdout:  # no GPU: the tool asked for 8 CPU host devices
+        assert "8 x cpu, float32" in out.stdout

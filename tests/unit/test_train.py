@@ -206,3 +206,20 @@ def test_gpt2_example_trains(capsys):
     losses = [float(m.group(1)) for m in re.finditer(r"^step \d+ loss (\S+)$", capsys.readouterr().out, re.M)]
     assert len(losses) == 3 and all(np.isfinite(losses)) and losses[2] < losses[0]
 
+
+
+def test_cli_on_one_device_has_no_collective_share_and_says_where_it_wrote(tmp_path, monkeypatch, capsys):
+    """One device: no "collective share" (the all-reduce moves nothing); no --out: the results go
+    to ./jax_blink_results of the folder the user stands in, and the run says so."""
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["--model", "gpt2", "--devices", "1", "--steps", "1", "--layers", "1", "--width", "16",
+                   "--timing-runs", "1", "--quick-compile"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("no collective in this program") == 2, out  # psum's and jax_blink's step
+    assert not re.search(r"collectives +[\d.]+%", out), out
+    folder = tmp_path / cli.DEFAULT_OUT
+    assert f"made the folder {folder}" in out and f"wrote {folder}" in out
+    (record,) = [json.loads(p.read_text()) for p in folder.glob("train-gpt2-tiny-blink-cpu-x1-*.json")]
+    assert record["timing"]["modes"]["blink"]["collective_share"] is None
+    assert not (tmp_path / "benchmarks").exists()

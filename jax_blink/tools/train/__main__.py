@@ -8,11 +8,11 @@ prints the bucket layout, ``step <n> loss <value>`` for every step, then the ste
 of jax_blink (the ``--collective`` mode, ``blink`` when that is psum) and the share of the step
 spent in collectives: (t(step) - t(the same step with the all-reduce taken out)) / t(step), the
 three compiled steps timed in turns on the same state and batch (median of ``--timing-runs``).
-The results go to ``--out`` (default ``benchmarks/results``) as
-``train-<model>-<size>-<device kind>-x<devices>-<date>.{json,txt}``.
+The results go to ``--out`` (default ``jax_blink_results`` in the current folder, made if
+missing; the run says where it wrote) as ``train-<model>-<size>-<device kind>-x<devices>-<date>.{json,txt}``.
 
 Without a GPU the devices are CPU host devices (8 unless ``--host-devices`` or ``XLA_FLAGS`` says
-otherwise). Bad flags end with one line naming the flag on stderr and exit status 2.
+otherwise). Bad flags end with one line naming the flag on stderr and exit status 2, before any work.
 """
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ import argparse
 import dataclasses
 import datetime as _dt
 import json
-import os
 import re
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
+
 PROG = "python -m jax_blink.tools.train"
+#: Where results go without --out: a folder of the current folder, named for what made it.
+DEFAULT_OUT = "jax_blink_results"
 COLLECTIVES = ("psum", "blink", "switch")
 SIZE_NAMES = ("tiny", "small", "full")
 #: Flags that override a field of the size's config, and the models that have the field.
@@ -40,7 +43,9 @@ class UsageError(Exception):
     """Bad command-line input: one line on stderr, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
+    """The tools' parser (values may start with ``-``), its errors this tool's :class:`UsageError`."""
+
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
@@ -111,7 +116,9 @@ def parser() -> argparse.ArgumentParser:
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
     p.add_argument("--explain", action="store_true", help="print jax_blink.explain of each bucket's all-reduce")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the results (default benchmarks/results)")
+    p.add_argument("--out", default=None, metavar="DIR", type=lambda t: output_folder("--out", t),
+                   help=f"folder for the results: an existing folder, or a new one in an existing folder "
+                        f"(default {DEFAULT_OUT} in the current folder)")
     p.add_argument("--no-write", action="store_true", help="write no result files")
     return p
 
@@ -126,6 +133,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--timing-runs must be >= 0, got {args.timing_runs}")
     if args.first_bucket_mb > args.bucket_mb:
         raise UsageError(f"--first-bucket-mb ({args.first_bucket_mb}) must not exceed --bucket-mb ({args.bucket_mb})")
+    if args.out is not None and args.no_write:
+        raise UsageError("--out and --no-write contradict each other: give one of them")
+    if args.out is None and not args.no_write:
+        try:
+            output_folder("--out", DEFAULT_OUT)  # the default must be writable here too, before any work
+        except _ToolUsageError as e:
+            raise UsageError(f"{e} (the default; give --out DIR or --no-write)") from None
     return args
 
 
@@ -138,16 +152,10 @@ def model_config(args: argparse.Namespace):
     return cfg
 
 
-def _ensure_host_devices(count: int) -> None:
-    """Ask XLA for ``count`` CPU host devices, unless its backends have started or someone asked."""
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():
-            return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    os.environ.setdefault("PJRT_NPROC", "16")  # see tests/conftest.py: avoids a CPU deadlock
+def _ensure_host_devices(count: int) -> str:
+    """Ask XLA for ``count`` CPU host devices unless its backends started or XLA_FLAGS names a
+    count (:func:`jax_blink.tools.arguments.ensure_host_devices`); returns what was done, in words."""
+    return ensure_host_devices(count)
 
 
 class _Done:
@@ -179,10 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = model_config(args)
-    except UsageError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
+    except (UsageError, _ToolUsageError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    _ensure_host_devices(args.host_devices)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    flags_note = _ensure_host_devices(args.host_devices)
     try:
         from jax_blink.tools.train.step import DataParallel, switch_available
     except ImportError as e:  # flax / optax missing
@@ -224,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kind = devices[0].device_kind
     say(f"{PROG} {' '.join(argv if argv is not None else sys.argv[1:])}")
-    say(f"devices: {n} x {kind} ({devices[0].platform}); jax {jax.__version__}")
+    say(f"devices: {n} x {kind} ({devices[0].platform}); jax {jax.__version__}"
+        + (f"; {flags_note}" if flags_note and devices[0].platform == "cpu" else ""))
     dp = DataParallel(args.model, cfg, mesh, bucket_bytes=int(args.bucket_mb * (1 << 20)),
                       first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
                       lr=args.lr, dispatch=args.dispatch,
@@ -263,20 +274,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             counted = dp.collectives_in(m)
             label = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
                      "switch": "psum under the switch", "none": "no all-reduce"}[m]
-            tail = "" if m == "none" else f"  collectives {share:6.1%} ({(med[m] - med['none']) * 1e3:.3f} ms)"
+            if m == "none":
+                tail = ""
+            elif n == 1 or counted["all-reduce"] + counted["jax_blink"] == 0:
+                # One device: every all-reduce sums one value and moves nothing; a "share" would be
+                # the noise between runs of programs that do the same work.
+                tail, share = "  no collective in this program (one device: nothing to sum across)", None
+            else:
+                tail = f"  collectives {share:6.1%} ({(med[m] - med['none']) * 1e3:.3f} ms)"
             say(f"  {label:>22}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
                 f"{counted['jax_blink']} jax_blink call(s) in the program]")
             record["timing"]["modes"][m] = {"median_s": med[m], "times_s": times[m], "collective_share": share,
                                             "xla_all_reduces": counted["all-reduce"],
                                             "jax_blink_calls": counted["jax_blink"]}
     if not args.no_write:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = Path(args.out or DEFAULT_OUT)
+        made = not out.exists()
+        out.mkdir(exist_ok=True)  # its parent exists: checked before the run
+        if made:
+            print(f"made the folder {out.absolute()}" + ("" if args.out else " (the default --out)"))
         stem = (f"train-{args.model}-{args.size}-{args.collective}-{slug(kind)}-x{n}-"
                 f"{_dt.date.today().isoformat()}")
         (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
         (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / stem}.json and .txt")
+        print(f"wrote {(out / stem).absolute()}.json and .txt")
     return 0
 
 

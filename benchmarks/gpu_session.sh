@@ -25,7 +25,7 @@ fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
 ST=${ST_BIN:-/tmp/selftest}
 compile_selftest() {
-  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
+  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda/executor.cu -o "$ST" \
     > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
 }
 ST_PID=

@@ -1,5 +1,5 @@
 """What one more call costs inside a jitted program on one device: an XLA elementwise kernel, an FFI
-no-op handler per binding (kernels/cuda_module.cc: full, lite, min, bare), and our collective (a
+no-op handler per binding (kernels/cuda/module.cc: full, lite, min, bare), and our collective (a
 one-rank program: its kernel copies 1 KiB) through the full and the light binding, plain and
 through the handler that XLA may capture in a command buffer.
 
@@ -30,7 +30,7 @@ from jax_blink.bench import interleaved_times
 _IDS = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
 
 
-# The bindings measured (kernels/cuda_module.cc): "full" every attribute on every call, "lite" the
+# The bindings measured (kernels/cuda/module.cc): "full" every attribute on every call, "lite" the
 # comm_id alone (the site registered at lowering), "min" the comm_id without the rank and group
 # operands (a measuring stick only), "bare" one operand, one result, nothing else.
 _NOOPS = {"bare": _backends.TARGET_NOOP_BARE, "min": _backends.TARGET_NOOP_MIN,

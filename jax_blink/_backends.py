@@ -25,9 +25,9 @@ TARGET_LITE_CB = "jax_blink_collective_lite_cb"
 TARGET_NOOP_LITE = "jax_blink_noop_lite"
 TARGET_NOOP_MIN = "jax_blink_noop_min"
 
-#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
+#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu/shm.h).
 TARGET_MP = "jax_blink_collective_mp"
-#: GPU: every collective across processes through CUDA IPC (kernels/cuda_ipc.h).
+#: GPU: every collective across processes through CUDA IPC (kernels/cuda/ipc.h).
 TARGET_IPC = "jax_blink_collective_ipc"
 #: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
 TARGET_AFTER = "jax_blink_after"

@@ -377,7 +377,7 @@ def _collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
         attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
                  _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
         if not _distributed.one_process_per_group(attrs["rank_process"], n):
-            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda_ipc.h)
+            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda/ipc.h)
                 _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
                                        attrs["rank_process"], attrs["rank_device"], collective, root)
                 target, extra = _backends.TARGET_IPC, attrs
@@ -665,7 +665,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 # ---------------------------------------------------------------------------------------------
 # Looking inside.
 
-#: The CUDA executor's defaults for its size limits (kernels/cuda_executor.h: kDefaultLLMaxBytes,
+#: The CUDA executor's defaults for its size limits (kernels/cuda/executor.h: kDefaultLLMaxBytes,
 #: kDefaultOneShotMaxBytes, kDefaultHostMinBytes; a test keeps them equal), for explain().
 LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = 512 << 10, 8 << 20, 256 << 20
 _EXECUTOR_BYTES = {"JAX_BLINK_LL_BYTES": LL_BYTES, "JAX_BLINK_ONESHOT_BYTES": ONESHOT_BYTES,

@@ -1,7 +1,7 @@
 // Standalone self-test and micro-benchmark of the CUDA executor (no JAX, no Python).
 //
 // Build and run from the repository root (one line):
-//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Ikernels -o /tmp/cuda_selftest kernels/cuda_selftest.cu kernels/cuda_executor.cu && /tmp/cuda_selftest && /tmp/cuda_selftest --bench
+//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Ikernels -o /tmp/cuda_selftest kernels/cuda_selftest.cu kernels/cuda/executor.cu && /tmp/cuda_selftest && /tmp/cuda_selftest --bench
 //
 // Modes:
 //   (none)     every test: N ranks as N streams of GPU 0 (small grids, all blocks resident), then,
@@ -35,8 +35,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_executor.h"
-#include "program.h"
+#include "common/program.h"
+#include "cuda/executor.h"
 
 using namespace jax_blink;
 using jax_blink::cuda::DType;
@@ -187,7 +187,7 @@ double Combine(int op, double a, double b) {
   return a <= b ? a : b;
 }
 
-// The program's semantics in double, one rounding to the dtype per hop (program.h).
+// The program's semantics in double, one rounding to the dtype per hop (common/program.h).
 std::vector<std::vector<double>> Reference(int n, const std::vector<TreeSpec>& trees,
                                            const std::vector<std::vector<double>>& in, int op, DType d) {
   std::vector<std::vector<double>> out = in;

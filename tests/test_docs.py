@@ -228,7 +228,7 @@ def test_nothing_points_outside_the_repository():
 # Environment variables
 
 def test_every_environment_variable_is_in_the_readme():
-    sources = [*ROOT.glob("jax_blink/*.py"), *ROOT.glob("kernels/*.c*"), *ROOT.glob("kernels/*.h")]
+    sources = [*ROOT.glob("jax_blink/*.py"), *ROOT.glob("kernels/**/*.c*"), *ROOT.glob("kernels/**/*.h")]
     names, macros = set(), set()
     for path in sources:
         text = path.read_text()

@@ -1,4 +1,4 @@
-// CUDA back end of "jax_blink_collective_ipc": see cuda_ipc.h.
+// CUDA back end of "jax_blink_collective_ipc": see cuda/ipc.h.
 //
 // Region of one rank (cudaMalloc on its GPU, exported once with cudaIpcGetMemHandle):
 //   [0, 256)                control: the push kernel's block counter, the consume kernels' failure claim
@@ -42,7 +42,7 @@
 // collective on this GPU, or jax_blink.check(), returns the error (a kernel cannot raise) naming
 // the rank and its process.
 
-#include "cuda_ipc.h"
+#include "cuda/ipc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,8 +61,8 @@
 #include <tuple>
 #include <vector>
 
-#include "device_sync.cuh"
-#include "ffi_binding.h"
+#include "common/ffi_binding.h"
+#include "cuda/device_sync.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,7 +1,7 @@
 // Device side of the CUDA executor: the layouts it shares with the host (ErrorRecord, the plan's
 // Unit / TreeRank records, Params), element types and ops, the combine loops, and the kernels
 // (tree, LL, one-shot) with KernelFor(). The protocol they run is described at the top of
-// cuda_executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
+// cuda/executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-#include "cuda_executor.h"
-#include "device_sync.cuh"
-#include "program.h"
+#include "common/program.h"
+#include "cuda/device_sync.cuh"
+#include "cuda/executor.h"
 
 namespace jax_blink::cuda {
 namespace {

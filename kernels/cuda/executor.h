@@ -1,6 +1,6 @@
 // CUDA back end of "jax_blink_collective": communicator set-up, the kernels and their launch.
-// No XLA headers here: the FFI handler (cuda_module.cc) is a thin layer over this, and the
-// standalone self-test (cuda_selftest.cu) drives it directly. See cuda_executor.cu for the
+// No XLA headers here: the FFI handler (cuda/module.cc) is a thin layer over this, and the
+// standalone self-test (cuda_selftest.cu) drives it directly. See cuda/executor.cu for the
 // protocol, the memory-ordering and the deadlock-freedom arguments.
 #pragma once
 
@@ -28,7 +28,7 @@ struct Options {
   // the program's chunk (clamped to [min_piece_bytes, 4 MiB]) and at least min_piece_bytes, so
   // that small operands still spread over the grid and large ones pipeline.
   int64_t min_piece_bytes = 8192;
-  // One-shot all-reduce through the communicator's staging inbox (see cuda_executor.cu): a site
+  // One-shot all-reduce through the communicator's staging inbox (see cuda/executor.cu): a site
   // whose program is an all-reduce (every tree reduces and broadcasts, no gaps) of at most
   // ll_max_bytes per rank uses LL lines (data and flag in one store; any rank count up to 8); of
   // at most oneshot_max_bytes on 2 ranks, chunks with one release flag each. -1: the default

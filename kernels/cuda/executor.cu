@@ -1,4 +1,4 @@
-// CUDA back end of "jax_blink_collective": see cuda_executor.h and program.h.
+// CUDA back end of "jax_blink_collective": see cuda/executor.h and common/program.h.
 //
 // ## Shape
 // One process drives several GPUs. A *communicator* per ordered device set enables peer access
@@ -88,7 +88,7 @@
 // ways at once; enqueued per call by the host, see LaunchWithCopyEngines); the host blocks then
 // only reduce what landed.
 //
-// ## Flags and memory order (device_sync.cuh)
+// ## Flags and memory order (cuda/device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
 // waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
 // call number k (32-bit, only grows: a flag of call k-1 never satisfies a wait of call k).
@@ -122,7 +122,7 @@
 // smallest step key K: its producer's block b is not past K, runs its steps in order and every
 // earlier step of it completes (minimality), so it waits at K itself; within a key the waits
 // follow tree edges in one direction (down for R, up for B), and trees are acyclic (validated by
-// program.h), so the chain ends at a leaf (R) or the root (B), which do not wait: contradiction.
+// common/program.h), so the chain ends at a leaf (R) or the root (B), which do not wait: contradiction.
 // Different sites are independent; if they ran in different orders on different devices, the
 // time budget ends it.
 //
@@ -134,12 +134,12 @@
 // call), then stops. Waiters poll the producer's abort marker and their device's claim, so a
 // failure cascades in microseconds instead of each rank waiting out its own budget. Failures are
 // sticky: every later kernel on a failed device exits at once (and marks its peers aborted; a
-// one-rank call, which waits for nobody, still copies its operand: Launch), the
-// handler refuses calls on it with the recorded message, and ResetAll() (cuda_module's reset())
+// one-rank call, which waits for nobody, still copies its operand: Launch), the handler
+// refuses calls on it with the recorded message, and ResetAll() (reset() of cuda/module.cc)
 // clears everything once nothing runs. A rank that skipped a call: its peers time out (record),
 // then its next call sees their abort markers and fails too.
 
-#include "cuda_executor.h"
+#include "cuda/executor.h"
 
 #include <cuda.h>  // stream memory operations (through cudaGetDriverEntryPointByVersion: no -lcuda)
 #include <cuda_runtime.h>
@@ -162,8 +162,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_kernels.cuh"  // the device side: layouts shared with the host, the kernels
-#include "program.h"
+#include "common/program.h"
+#include "cuda/device_kernels.cuh"  // the device side: layouts shared with the host, the kernels
 
 namespace jax_blink::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // nanobind module `jax_blink._blink_cuda`: the CUDA FFI handlers of "jax_blink_collective" (a thin
-// layer over cuda_executor.h) and the executor's state (check, reset, sizes).
+// layer over cuda/executor.h) and the executor's state (check, reset, sizes).
 //
 // Two bindings of the same collective:
 //   full (JAX_BLINK_BINDING, target "jax_blink_collective"): operand, rank, group and every
@@ -44,9 +44,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda_executor.h"
-#include "cuda_ipc.h"
-#include "ffi_binding.h"
+#include "common/ffi_binding.h"
+#include "cuda/executor.h"
+#include "cuda/ipc.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -397,7 +397,7 @@ NB_MODULE(_blink_cuda, m) {
         d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
         d["jax_blink_noop_lite"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpLiteCuda));
         d["jax_blink_noop_min"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpMinCuda));
-        // Every collective across processes through CUDA IPC (cuda_ipc.h).
+        // Every collective across processes through CUDA IPC (cuda/ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
       },

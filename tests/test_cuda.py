@@ -3,7 +3,7 @@ here, not planned) inside ``jax.shard_map`` over 2 GPUs, compared with ``lax.psu
 one-rank calls (the identity) through both handlers, as the overhead probe chains them.
 
 Skipped unless JAX sees a GPU and ``jax_blink._blink_cuda`` imports; the 2-GPU tests need 2. The
-standalone ``kernels/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned
+standalone ``tests/native/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned
 outputs, CUDA graphs, the benchmark).
 """
 from __future__ import annotations

@@ -1,7 +1,12 @@
 // Standalone self-test and micro-benchmark of the CUDA executor (no JAX, no Python).
 //
-// Build and run from the repository root (one line):
-//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Ikernels -o /tmp/cuda_selftest kernels/cuda_selftest.cu kernels/cuda/executor.cu && /tmp/cuda_selftest && /tmp/cuda_selftest --bench
+// Build from the repository root, through CMake (the flags of the shipped executor; `native`: the
+// GPUs of this machine):
+//   cmake -S . -B /tmp/jb-selftest -DJAX_BLINK_BUILD_SELFTEST=ON -DJAX_BLINK_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native
+//   cmake --build /tmp/jb-selftest --target cuda_selftest && /tmp/jb-selftest/cuda_selftest
+// or with nvcc alone (one line):
+//   nvcc -std=c++17 -O3 -arch=native -lineinfo -Ikernels -o /tmp/cuda_selftest tests/native/cuda_selftest.cu kernels/cuda/executor.cu
+// benchmarks/gpu_session.sh builds it through CMake (steps selftest, stbench, sanitizer, hybrid).
 //
 // Modes:
 //   (none)     every test: N ranks as N streams of GPU 0 (small grids, all blocks resident), then,

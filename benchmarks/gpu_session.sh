@@ -49,7 +49,9 @@ for step in $STEPS; do
       if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ] && [[ " $STEPS " =~ \ (selftest|stbench|overhead|hybrid)\  ]]; then
         compile_selftest & ST_PID=$!
       fi
-      python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
+      probes=OFF; [[ " $STEPS " == *" overhead "* ]] && probes=ON  # the benchmark's no-op handlers
+      python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON \
+        -Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=$probes -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
     selftest|stbench)

@@ -61,8 +61,8 @@
 #include <tuple>
 #include <vector>
 
-#include "common/ffi_binding.h"
 #include "cuda/device_sync.cuh"
+#include "cuda/gpu_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -585,7 +585,5 @@ void ReleaseAll() {
 }  // namespace jax_blink::cuda_ipc
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveIpc, jax_blink::cuda_ipc::Execute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>() JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
-                                      JAX_BLINK_PROCESS_ATTRS);
+                              JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
+                                  JAX_BLINK_PROCESS_ATTRS);

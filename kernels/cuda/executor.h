@@ -56,13 +56,15 @@ struct Options {
   // (sm|ce), else kDefaultHostEngine.
   int host_engine = -1;
 };
-constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chunked one-shot up to 512 KiB (2 x H200)
-constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
-constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the host channel from 256 MiB
+// The limits and the host channel's defaults come from measurements: benchmarks/NOTES.md, "Where
+// the CUDA executor's constants come from".
+constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // LL up to here: it beats the chunked one-shot
+constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: beyond, the trees are as fast
+constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
-constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)
+constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // small chunks fill the channel's pipeline sooner
 constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
-constexpr int kDefaultHostEngine = 0;  // SMs: consistent on every machine we got; copy engines (38 GB/s against 28) once were not: NOTES.md, change 4
+constexpr int kDefaultHostEngine = 0;  // SMs: the copy engines were faster on one machine only
 constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel

@@ -97,9 +97,9 @@ struct Comm {
   int device = 0;
   int64_t bytes = 0;  // the operand's (and the result's) size
   int64_t piece = 0;  // what one rank pushes to one peer
-  // The kernels' most blocks: one per SM, as the one-process executor and the measured peer-write
-  // ceiling (NOTES) use (an SM issues a bounded number of remote stores at once, so the link
-  // needs many SMs), or JAX_BLINK_IPC_BLOCKS.
+  // The kernels' most blocks: one per SM, as the one-process executor uses (an SM issues a
+  // bounded number of remote stores at once, so the link needs many SMs: docs/DESIGN.md, "Facts
+  // and measured ceilings"), or JAX_BLINK_IPC_BLOCKS.
   int max_blocks = 1;
   size_t slot = 0, off_flags = 0, off_inbox = 0, size = 0;
   char* mine = nullptr;

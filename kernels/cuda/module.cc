@@ -6,8 +6,8 @@
 //     attribute (program, op, comm_id, timeout_ms, host_share) on every call;
 //   light (JAX_BLINK_LITE_BINDING, "jax_blink_collective_lite"): operand, rank, group and the
 //     comm_id; the rest was registered once for that comm_id at lowering (register_call_site).
-//     Issue 17 measured XLA's decoding of the full binding at ~0.3 us per call (the no-op rows of
-//     benchmarks/xla_call_overhead.py), which XLA pays on every call whatever the handler does.
+//     XLA decodes a binding on every call whatever the handler does, and the full binding's
+//     decoding is a measurable share of a small call (benchmarks/NOTES.md, change 8).
 //     jax_blink lowers GPU calls of one process to it (collectives._light_binding).
 // Handler, per call (the fast path: no allocation, no host synchronisation, no lock):
 //   dtype/shape checks; the device's error record (a read of pinned host memory): a kernel on
@@ -87,8 +87,7 @@ const char* FfiDtypeName(ffi::DataType dt) {
 // What a lowered call site fixes (its program, op, time budget, host share), registered from
 // Python at lowering (register_call_site) and keyed by its comm_id, which is unique per call site
 // in a process: the light binding (JAX_BLINK_LITE_BINDING) then carries the comm_id alone, and XLA
-// does not decode the program span and four more attributes on every call (issue 17: ~0.3 us of
-// the full binding's cost). Registered once, never changed: the "program differs" check is made
+// does not decode the program span and four more attributes on every call. Registered once, never changed: the "program differs" check is made
 // here, at registration, instead of on every call.
 struct CallSite {
   std::vector<int32_t> program;

@@ -24,8 +24,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
 ST=${ST_BIN:-/tmp/selftest}
+# The self-test (tests/native/cuda_selftest.cu) through CMake, for this machine's GPUs only, in a
+# build folder of its own: the flags are the shipped executor's, and pip's build is not touched.
+ST_BUILD=/tmp/jax_blink_selftest_build
 compile_selftest() {
-  nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo -Ikernels kernels/cuda_selftest.cu kernels/cuda_executor.cu -o "$ST" \
+  { cmake -S . -B "$ST_BUILD" $(command -v ninja >/dev/null && echo -G Ninja) -DCMAKE_BUILD_TYPE=Release -DJAX_BLINK_CUDA=ON -DJAX_BLINK_BUILD_SELFTEST=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=native -DPython_EXECUTABLE="$(command -v python3)" \
+    && cmake --build "$ST_BUILD" --target cuda_selftest && cp "$ST_BUILD/cuda_selftest" "$ST"; } \
     > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
 }
 ST_PID=
@@ -44,7 +49,9 @@ for step in $STEPS; do
       if [ -z "${ST_BIN:-}" ] && [ ! -x "$ST" ] && [[ " $STEPS " =~ \ (selftest|stbench|overhead|hybrid)\  ]]; then
         compile_selftest & ST_PID=$!
       fi
-      python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON -e . \
+      probes=OFF; [[ " $STEPS " == *" overhead "* ]] && probes=ON  # the benchmark's no-op handlers
+      python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON \
+        -Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=$probes -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
       python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
     selftest|stbench)

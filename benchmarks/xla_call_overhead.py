@@ -1,7 +1,11 @@
 """What one more call costs inside a jitted program on one device: an XLA elementwise kernel, an FFI
-no-op handler per binding (kernels/cuda_module.cc: full, lite, min, bare), and our collective (a
-one-rank program: its kernel copies 1 KiB) through the full and the light binding, plain and
+no-op handler per binding (kernels/cuda/bench_probes.cc: full, lite, min, bare), and our collective
+(a one-rank program: its kernel copies 1 KiB) through the full and the light binding, plain and
 through the handler that XLA may capture in a command buffer.
+
+The no-op handlers are a module of their own, built only when asked for:
+``pip install --no-build-isolation -Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=ON -e .``
+(benchmarks/gpu_session.sh does, for its step overhead); without it their rows are left out.
 
 Each row is a chain of K calls (the output of one feeds the next) in one jitted program, timed at
 K1 and K2 calls with every program taking turns (bench.interleaved_times). Per row it prints the
@@ -15,6 +19,7 @@ with XLA's defaults and once with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
@@ -31,11 +36,26 @@ from jax_blink.tools.timing import interleaved_times
 _IDS = itertools.count(10_000_000)  # every call site its own comm_id, as collectives.py gives
 
 
-# The bindings measured (kernels/cuda_module.cc): "full" every attribute on every call, "lite" the
-# comm_id alone (the site registered at lowering), "min" the comm_id without the rank and group
-# operands (a measuring stick only), "bare" one operand, one result, nothing else.
-_NOOPS = {"bare": _backends.TARGET_NOOP_BARE, "min": _backends.TARGET_NOOP_MIN,
-          "lite": _backends.TARGET_NOOP_LITE, "full": _backends.TARGET_NOOP}
+# The bindings measured (kernels/cuda/gpu_binding.h, kernels/cuda/bench_probes.cc): "full" every
+# attribute on every call, "lite" the comm_id alone (the site registered at lowering), "min" the
+# comm_id without the rank and group operands (a measuring stick only), "bare" one operand, one
+# result, nothing else. binding -> the no-op handler's FFI target.
+_NOOPS = {"bare": "jax_blink_noop_bare", "min": "jax_blink_noop_min", "lite": "jax_blink_noop_lite",
+          "full": "jax_blink_noop"}
+
+
+@functools.cache
+def register_noops() -> frozenset[str]:
+    """Register the no-op handlers of jax_blink._blink_cuda_probes with XLA (CUDA), once; the
+    targets registered, none where the module was not built."""
+    try:
+        from jax_blink import _blink_cuda_probes
+    except ImportError:
+        return frozenset()
+    handlers = _blink_cuda_probes.registrations()
+    for target in _NOOPS.values():
+        jax.ffi.register_ffi_target(target, handlers[target], platform="CUDA")
+    return frozenset(_NOOPS.values())
 
 
 def ffi_chain(target: str, k: int, x, program: np.ndarray, binding: str = "full"):
@@ -80,9 +100,10 @@ def rows(elems: int, x) -> list[tuple[str, object]]:
     program = schedule.encode(schedule.Schedule(1, elems, elems, ()))
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     have = _backends.module(platform).registrations()
+    noops = register_noops() if platform == "gpu" else frozenset()
     out = [("XLA elementwise op", xla_chain)]
     for binding, target in _NOOPS.items():  # XLA's own price of an FFI call per binding, no work
-        if target in have:
+        if target in noops:
             out.append((f"no-op FFI, {binding} binding",
                         lambda k, t=target, b=binding: ffi_chain(t, k, x, program, b)))
     out += [("jax_blink full, plain handler", lambda k: ffi_chain(_backends.TARGET, k, x, program)),
@@ -110,6 +131,9 @@ def main() -> None:
     if not _backends.register("gpu" if platform == "gpu" else "cpu"):
         raise SystemExit(f"no jax_blink executor for {platform}")
     x = jnp.asarray(np.random.default_rng(0).standard_normal(a.elems), jnp.float32)
+    if platform == "gpu" and not register_noops():
+        print("# no jax_blink._blink_cuda_probes: the no-op rows are left out (build with "
+              "-Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=ON)")
     table = rows(a.elems, x)
     fns = []
     for name, make in table:

@@ -19,7 +19,7 @@ from jax_blink.planning.topology import NVLINK_EFFICIENCY, Topology
 from jax_blink.api.collectives import check_root
 
 
-#: The CUDA executor's defaults for its size limits (kernels/cuda_executor.h: kDefaultLLMaxBytes,
+#: The CUDA executor's defaults for its size limits (kernels/cuda/executor.h: kDefaultLLMaxBytes,
 #: kDefaultOneShotMaxBytes, kDefaultHostMinBytes; a test keeps them equal), for explain().
 LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = 512 << 10, 8 << 20, 256 << 20
 _EXECUTOR_BYTES = {"JAX_BLINK_LL_BYTES": LL_BYTES, "JAX_BLINK_ONESHOT_BYTES": ONESHOT_BYTES,

@@ -11,23 +11,16 @@ TARGET = "jax_blink_collective"
 #: capture it in a CUDA graph with its neighbours (``config.command_buffers``). On CPU it is the
 #: plain handler under a second name.
 TARGET_CB = "jax_blink_collective_cb"
-#: Where the executor has it (CUDA): the same binding doing nothing, to measure XLA's price of a call.
-TARGET_NOOP = "jax_blink_noop"
-#: The same with one operand, one result and no attributes: the binding's share of that price.
-TARGET_NOOP_BARE = "jax_blink_noop_bare"
 
 #: CUDA: the collective through the light binding (operand, rank, group and the ``comm_id``
 #: attribute alone); what the call site fixes is registered first (:func:`register_call_site`).
 TARGET_LITE = "jax_blink_collective_lite"
 #: The same through the handler that claims the command-buffer trait.
 TARGET_LITE_CB = "jax_blink_collective_lite_cb"
-#: Measuring sticks (CUDA): the light binding doing nothing, and the same without rank and group.
-TARGET_NOOP_LITE = "jax_blink_noop_lite"
-TARGET_NOOP_MIN = "jax_blink_noop_min"
 
-#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu_shm.h).
+#: The CPU executor for ranks in several processes of one machine (shared memory, kernels/cpu/shm.h).
 TARGET_MP = "jax_blink_collective_mp"
-#: GPU: every collective across processes through CUDA IPC (kernels/cuda_ipc.h).
+#: GPU: every collective across processes through CUDA IPC (kernels/cuda/ipc.h).
 TARGET_IPC = "jax_blink_collective_ipc"
 #: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
 TARGET_AFTER = "jax_blink_after"
@@ -65,8 +58,7 @@ def register(platform: str) -> bool:
     if TARGET_LITE in plain:
         jax.ffi.register_ffi_target(TARGET_LITE, plain[TARGET_LITE], platform=xla_platform)
         jax.ffi.register_ffi_target(TARGET_LITE_CB, graph[TARGET_LITE], platform=xla_platform)
-    for probe in (TARGET_NOOP, TARGET_NOOP_BARE, TARGET_NOOP_LITE, TARGET_NOOP_MIN, TARGET_MP, TARGET_AFTER,
-                  TARGET_IPC):
+    for probe in (TARGET_MP, TARGET_AFTER, TARGET_IPC):
         if probe in plain:
             jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True

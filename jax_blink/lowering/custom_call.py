@@ -100,7 +100,7 @@ def build_program(topology: Topology, collective: str, root, total_elems: int, i
         form: the all-reduce form (:mod:`jax_blink.planning.forms`); None: ``config.allreduce_form``.
 
     Returns:
-        The program array of ``kernels/program.h``.
+        The program array of ``kernels/common/program.h``.
 
     Raises:
         ValueError: a forced all-reduce form that cannot run on this topology and size.
@@ -226,7 +226,7 @@ def collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
         attrs = (_distributed.lowering_attrs(axes, n) if sub is None else
                  _distributed.lowering_attrs(axes, n, (sub.rank_process, sub.rank_device)))
         if not _distributed.one_process_per_group(attrs["rank_process"], n):
-            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda_ipc.h)
+            if platform == "gpu":  # every collective: CUDA IPC (kernels/cuda/ipc.h)
                 _distributed.ipc_setup(comm_id, n, int(flat.size) * itemsize,
                                        attrs["rank_process"], attrs["rank_device"], collective, root)
                 target, extra = _backends.TARGET_IPC, attrs

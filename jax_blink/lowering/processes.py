@@ -306,10 +306,10 @@ def _platform_of(x) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPUs: CUDA IPC (kernels/cuda_ipc.h), set up at trace time through the store.
+# GPUs: CUDA IPC (kernels/cuda/ipc.h), set up at trace time through the store.
 
 _IPC_KEY = "jax_blink/ipc/{}/{}/{}"  # comm_id, group, rank
-#: The collectives of the CUDA IPC executor, numbered as kernels/cuda_ipc.h's Collective.
+#: The collectives of the CUDA IPC executor, numbered as kernels/cuda/ipc.h's Collective.
 IPC_COLLECTIVES = {"allreduce": 0, "allgather": 1, "reducescatter": 2, "broadcast": 3, "reduce": 4}
 _PROBE_COMM = -1  # the job's probe region: can these processes open each other's memory?
 

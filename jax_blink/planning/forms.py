@@ -59,7 +59,7 @@ __all__ = ["FORMS", "AUTO", "Form", "Choice", "choose", "forms_at", "segments", 
 FORMS = ("reduce_broadcast", "rings", "scatter_gather", "shallow_trees", "one_hop")
 #: ``config.allreduce_form`` value: let the planner choose.
 AUTO = "auto"
-#: The CUDA executor's one-hop limits (kernels/cuda_executor.h defaults: kDefaultLLMaxBytes,
+#: The CUDA executor's one-hop limits (kernels/cuda/executor.h defaults: kDefaultLLMaxBytes,
 #: kMaxLLRanks, kDefaultOneShotMaxBytes; the one-shot kernel runs on 2 GPUs only).
 LL_MAX_BYTES, LL_MAX_RANKS, ONESHOT_MAX_BYTES = 512 << 10, 8, 8 << 20
 

@@ -1,7 +1,7 @@
 """Schedules: a plan's trees turned into the flat int32 program that both executors run.
 
 A plan says which trees carry how much (GB/s); a schedule says which elements of one operand each
-tree carries and in which chunks. The program layout is defined once, in ``kernels/program.h``;
+tree carries and in which chunks. The program layout is defined once, in ``kernels/common/program.h``;
 :func:`encode` writes it and :func:`run_reference` interprets it over numpy arrays, exactly as the
 executors must (the reference both are tested against).
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# Keep in step with kernels/program.h.
+# Keep in step with kernels/common/program.h.
 PROGRAM_VERSION = 1
 HEADER_LEN = 5
 TREE_FIXED = 4
@@ -67,7 +67,7 @@ class Schedule:
     trees: tuple[TreeSegment, ...]
 
     def program(self) -> np.ndarray:
-        """The int32 program of ``kernels/program.h``."""
+        """The int32 program of ``kernels/common/program.h``."""
         return encode(self)
 
 
@@ -155,7 +155,7 @@ def build_schedule(plan, total_elems: int, itemsize: int, *, chunk_bytes: int | 
 
 
 def encode(schedule: Schedule) -> np.ndarray:
-    """Write ``schedule`` as the int32 program array of ``kernels/program.h``."""
+    """Write ``schedule`` as the int32 program array of ``kernels/common/program.h``."""
     n = schedule.nranks
     words = [PROGRAM_VERSION, n, len(schedule.trees), schedule.chunk_elems, schedule.total_elems]
     for t in schedule.trees:

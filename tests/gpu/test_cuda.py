@@ -3,7 +3,7 @@ here, not planned) inside ``jax.shard_map`` over 2 GPUs, compared with ``lax.psu
 one-rank calls (the identity) through both handlers, as the overhead probe chains them.
 
 Skipped unless JAX sees a GPU and ``jax_blink._blink_cuda`` imports; the 2-GPU tests need 2. The
-standalone ``kernels/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned
+standalone ``tests/native/cuda_selftest.cu`` covers more (N ranks as streams of one GPU, poisoned
 outputs, CUDA graphs, the benchmark).
 """
 from __future__ import annotations
@@ -296,9 +296,7 @@ def test_module_api():
         assert sum(c["sites_by_mode"].values()) == c["num_sites"]
         assert c["host_bytes"] >= 0  # pinned host memory of its hybrid sites, per rank
     assert isinstance(_blink_cuda.comms(), list)
-    assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_noop", "jax_blink_noop_bare",
-                                                     "jax_blink_collective_ipc", "jax_blink_collective_lite",
-                                                     "jax_blink_noop_lite", "jax_blink_noop_min"}
+    assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_collective_ipc", "jax_blink_collective_lite"}
 
 
 # One GPU: a one-rank program is the identity for every collective; the executor runs it as a

@@ -349,7 +349,7 @@ def test_explain_names_the_gpu_kernel_and_the_dispatch(monkeypatch):
 def test_executor_size_defaults_match_the_cuda_header():
     from jax_blink.api import explain as E
 
-    header = open(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cuda_executor.h")).read()
+    header = open(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cuda", "executor.h")).read()
 
     def value(name):
         m = re.search(rf"constexpr int64_t {name} = (?:int64_t{{(\d+)}}|(\d+)) << (\d+);", header)

@@ -2,7 +2,7 @@
 
 Runs on 8 XLA host devices (tests/conftest.py sets the flags; on the command line:
 XLA_FLAGS=--xla_force_host_platform_device_count=8 PJRT_NPROC=16). Every program here is built by
-hand in numpy (the layout of kernels/program.h) and every result is checked against a small numpy
+hand in numpy (the layout of kernels/common/program.h) and every result is checked against a small numpy
 interpreter of the same semantics (bitwise), against float64 math, and across ranks.
 """
 from __future__ import annotations

@@ -196,7 +196,7 @@ def _read_environment_names() -> set[str]:
     """Every JAX_BLINK_* name that the package (options.py's own list aside) or the executors
     mention, less C macros: the variables something reads."""
     sources = [p for p in ROOT.glob("jax_blink/**/*.py") if p.name != "settings.py"]
-    sources += [*ROOT.glob("kernels/*.c*"), *ROOT.glob("kernels/*.h")]
+    sources += [*ROOT.glob("kernels/**/*.c*"), *ROOT.glob("kernels/**/*.h")]
     names, macros = set(), set()
     for path in sources:
         text = path.read_text()

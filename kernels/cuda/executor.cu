@@ -1,4 +1,4 @@
-// CUDA back end of "jax_blink_collective": see cuda_executor.h and program.h.
+// CUDA back end of "jax_blink_collective": see cuda/executor.h and common/program.h.
 //
 // ## Shape
 // One process drives several GPUs. A *communicator* per ordered device set enables peer access
@@ -50,7 +50,7 @@
 //
 // ## One-shot all-reduce (small and mid sizes): Mode::kLL and Mode::kOneShot
 // The tree kernel's critical path is three dependent cross-GPU hops (pointers, contribution,
-// result: ~11 us at 1 KiB on 2 x H200). An all-reduce site (every tree reduces and broadcasts, no
+// result; benchmarks/NOTES.md, change 2). An all-reduce site (every tree reduces and broadcasts, no
 // gaps) up to a size limit skips the trees: every rank writes its whole `in` into every peer's
 // *inbox* in the communicator's staging memory, then reduces its own `in` with the peers' copies in
 // rank order (0, 1, ..., n-1: every rank rounds the same way, bit-identical results). One hop, no
@@ -88,7 +88,7 @@
 // ways at once; enqueued per call by the host, see LaunchWithCopyEngines); the host blocks then
 // only reduce what landed.
 //
-// ## Flags and memory order (device_sync.cuh)
+// ## Flags and memory order (cuda/device_sync.cuh)
 // A flag lives in the memory of the rank that waits on it: inbox[src][phase][unit] on the
 // waiter's GPU, written by `src` over NVLink, so every spin polls local memory. Flags hold the
 // call number k (32-bit, only grows: a flag of call k-1 never satisfies a wait of call k).
@@ -122,7 +122,7 @@
 // smallest step key K: its producer's block b is not past K, runs its steps in order and every
 // earlier step of it completes (minimality), so it waits at K itself; within a key the waits
 // follow tree edges in one direction (down for R, up for B), and trees are acyclic (validated by
-// program.h), so the chain ends at a leaf (R) or the root (B), which do not wait: contradiction.
+// common/program.h), so the chain ends at a leaf (R) or the root (B), which do not wait: contradiction.
 // Different sites are independent; if they ran in different orders on different devices, the
 // time budget ends it.
 //
@@ -134,12 +134,12 @@
 // call), then stops. Waiters poll the producer's abort marker and their device's claim, so a
 // failure cascades in microseconds instead of each rank waiting out its own budget. Failures are
 // sticky: every later kernel on a failed device exits at once (and marks its peers aborted; a
-// one-rank call, which waits for nobody, still copies its operand: Launch), the
-// handler refuses calls on it with the recorded message, and ResetAll() (cuda_module's reset())
+// one-rank call, which waits for nobody, still copies its operand: Launch), the handler
+// refuses calls on it with the recorded message, and ResetAll() (reset() of cuda/module.cc)
 // clears everything once nothing runs. A rank that skipped a call: its peers time out (record),
 // then its next call sees their abort markers and fails too.
 
-#include "cuda_executor.h"
+#include "cuda/executor.h"
 
 #include <cuda.h>  // stream memory operations (through cudaGetDriverEntryPointByVersion: no -lcuda)
 #include <cuda_runtime.h>
@@ -162,8 +162,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_kernels.cuh"  // the device side: layouts shared with the host, the kernels
-#include "program.h"
+#include "common/program.h"
+#include "cuda/device_kernels.cuh"  // the device side: layouts shared with the host, the kernels
 
 namespace jax_blink::cuda {
 namespace {
@@ -201,7 +201,7 @@ struct DeviceState {
   int sms = 0, occupancy = 0;     // multiprocessors, resident blocks of our kernels per SM
   // Every kernel's driver handle in this device's primary context, fetched when the kernels are
   // loaded: a call launches it with cuLaunchKernel, without the runtime's per-launch lookup of
-  // the current device and of the function (issue 17: the launch is most of a small call's cost).
+  // the current device and of the function (the launch is most of a small call's cost: benchmarks/NOTES.md, change 7).
   CUfunction fn[kNumKernels][kNumDTypes][kNumOps] = {};
   CUfunction one_rank = nullptr;  // one_rank_kernel
 };
@@ -680,103 +680,115 @@ void FreeCopyEngines(Comm* c) {
   c->ce_made = false;
 }
 
-std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
-                             const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
-  if (std::string env = CheckEnvironment(); !env.empty()) return env;
-  Program prog;
-  std::string perr = prog.Decode(program, len);
-  if (!perr.empty()) return "jax_blink CUDA executor: bad schedule program: " + perr;
+// ---------------------------------------------------------------------------------------------
+// Making a site, step by step (CreateSiteLocked at the end puts them together).
+
+// The program and the devices agree, and the executor can run them.
+std::string CheckSiteRequest(const Program& prog, const std::vector<int>& devices, int esize) {
   const int n = prog.nranks();
   if (n != static_cast<int>(devices.size()))
     return "jax_blink CUDA executor: the program has " + std::to_string(n) + " ranks but " +
            std::to_string(devices.size()) + " devices were given";
   if (n > kMaxRanks) return "jax_blink CUDA executor: at most " + std::to_string(kMaxRanks) + " ranks";
   if (esize != 2 && esize != 4 && esize != 8) return "jax_blink CUDA executor: element size must be 2, 4 or 8";
-  Comm* comm;
-  std::string err = GetCommLocked(devices, opt, &comm);
-  if (!err.empty()) return err;
-  DeviceGuard guard;
-  const int G = comm->blocks;
+  return {};
+}
+
+// An all-reduce: the trees with elements all reduce and broadcast and cover the operand. Only such
+// a site may skip the trees (one-shot) or send a share through host memory (hybrid).
+bool IsAllReduce(const Program& prog) {
+  if (prog.nranks() < 2) return false;
+  int64_t at = 0;
+  bool any = false;
+  for (int t : prog.trees_by_offset()) {
+    const TreeView& tv = prog.tree(t);
+    if (tv.seg_len == 0) continue;
+    any = true;
+    if (tv.seg_offset != at || tv.phases != (kPhaseReduce | kPhaseBroadcast)) return false;
+    at = tv.seg_offset + tv.seg_len;
+  }
+  return any && at == prog.total_elems();
+}
+
+// The host channel of an all-reduce site (Mode::kHybrid): PlanHostSlice's wish, made to fit the
+// communicator's channel, which its first hybrid site sets up (outbox size, engine) for all.
+// Returns an empty HostSlice where the site takes NVLink only.
+std::string FitHostSliceLocked(Comm* comm, const Options& opt, const Program& prog, bool allreduce, int esize,
+                               HostSlice* out) {
+  const int64_t total = prog.total_elems();
+  const int64_t align = std::max(1, 16 / esize);
+  HostSlice host = PlanHostSlice(opt, prog.nranks(), allreduce, total, esize, comm->blocks);
+  *out = HostSlice{};
+  if (host.elems <= 0) return {};
+  if (std::string err = EnsureHostChannelLocked(comm, host.max_bytes, host.ce); !err.empty()) return err;
+  if (host.ce && !comm->ce_made) {
+    if (std::string err = EnsureCopyEnginesLocked(comm); !err.empty()) {
+      if (std::none_of(comm->sites.begin(), comm->sites.end(), [](const Site* x) { return x->mode == Mode::kHybrid; }))
+        comm->host_ce = false;  // no hybrid site uses the channel yet: a later SM site may
+      return err;
+    }
+  }
+  // The channel runs on one engine (its first hybrid site's): a site that asks for the other one
+  // (the command-buffer handler asks for SMs) takes NVLink only.
+  if (host.ce != comm->host_ce) return {};
+  const uint64_t room = host.ce ? std::min<uint64_t>(comm->host_slot, comm->stage_bytes) : comm->host_slot;
+  if (host.elems > static_cast<int64_t>(room) / esize)  // capped: start 16-byte aligned again
+    host.elems = SliceFromAlignedStart(total, static_cast<int64_t>(room) / esize / align * align, align);
+  if (host.elems <= 0) return {};
+  // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
+  // receiving side stream that wait for the peer, and a stream holds only so many pending ones
+  // before enqueueing blocks the host thread, which may be the one yet to launch the peer
+  // (benchmarks/NOTES.md, "Copy-engine chunks per call").
+  if (host.ce) host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + align - 1) / align * align);
+  host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
+  *out = host;
+  return {};
+}
+
+// The trees' segments as the site runs them: the program's, or, where the host channel takes the
+// operand's last host_elems elements, scaled into what is left, [0, nv_total), keeping their order
+// and proportions (16-byte aligned starts, for the vector paths).
+void SegmentsBeforeHostSlice(const Program& prog, int64_t nv_total, int64_t align, std::vector<int64_t>* seg_off,
+                             std::vector<int64_t>* seg_len) {
   const int ntrees = prog.ntrees();
-  const int64_t align = std::max(1, 16 / esize);  // elements per 16 bytes: the vector paths' unit
+  seg_off->resize(ntrees);
+  seg_len->resize(ntrees);
+  for (int t = 0; t < ntrees; ++t) {
+    (*seg_off)[t] = prog.tree(t).seg_offset;
+    (*seg_len)[t] = prog.tree(t).seg_len;
+  }
+  if (nv_total == prog.total_elems()) return;
+  std::vector<int> order;
+  for (int t : prog.trees_by_offset())
+    if ((*seg_len)[t] > 0) order.push_back(t);
+  std::vector<int64_t> lo(order.size() + 1, nv_total);
+  for (size_t i = 0; i < order.size(); ++i)
+    lo[i] = i == 0 ? 0
+                   : static_cast<int64_t>(static_cast<__int128>((*seg_off)[order[i]]) * nv_total / prog.total_elems()) /
+                         align * align;
+  for (size_t i = 0; i < order.size(); ++i) {
+    (*seg_off)[order[i]] = lo[i];
+    (*seg_len)[order[i]] = std::max<int64_t>(0, lo[i + 1] - lo[i]);
+  }
+}
 
-  // The segments as this executor runs them: the program's, unless the host channel takes the
-  // operand's tail (Mode::kHybrid); then the trees' segments are scaled into what is left,
-  // [0, total - host.elems), keeping their order and proportions.
-  std::vector<int64_t> seg_off(ntrees), seg_len(ntrees);
-  for (int t = 0; t < ntrees; ++t) { seg_off[t] = prog.tree(t).seg_offset; seg_len[t] = prog.tree(t).seg_len; }
-  // An all-reduce: the trees with elements all reduce and broadcast and cover the operand.
-  bool allreduce = n >= 2;
-  {
-    int64_t at = 0;
-    bool any = false;
-    for (int t : prog.trees_by_offset()) {
-      if (seg_len[t] == 0) continue;
-      any = true;
-      allreduce = allreduce && seg_off[t] == at && prog.tree(t).phases == (kPhaseReduce | kPhaseBroadcast);
-      at = seg_off[t] + seg_len[t];
-    }
-    allreduce = allreduce && any && at == prog.total_elems();
-  }
-  HostSlice host = PlanHostSlice(opt, n, allreduce, prog.total_elems(), esize, G);
-  if (host.elems > 0) {  // the communicator's outbox bounds the slice (its size is fixed at its first hybrid site)
-    std::string herr = EnsureHostChannelLocked(comm, host.max_bytes, host.ce);
-    if (!herr.empty()) return herr;
-    if (host.ce && !comm->ce_made) {
-      herr = EnsureCopyEnginesLocked(comm);
-      if (!herr.empty()) {
-        if (comm->sites.empty() || std::none_of(comm->sites.begin(), comm->sites.end(),
-                                                 [](const Site* x) { return x->mode == Mode::kHybrid; }))
-          comm->host_ce = false;  // no hybrid site uses the channel yet: a later SM site may
-        return herr;
-      }
-    }
-    // The communicator's channel runs on one engine (its first hybrid site's): a site that asks
-    // for the other one (the command-buffer handler asks for SMs) takes NVLink only.
-    if (host.ce != comm->host_ce) host = HostSlice{};
-    const uint64_t room = host.ce ? std::min<uint64_t>(comm->host_slot, comm->stage_bytes) : comm->host_slot;
-    if (host.elems > static_cast<int64_t>(room) / esize)  // capped: start 16-byte aligned again
-      host.elems = SliceFromAlignedStart(prog.total_elems(), static_cast<int64_t>(room) / esize / align * align, align);
-    if (host.elems <= 0) host = HostSlice{};
-    // Copy engines: at most kMaxCEChunks chunks per call. Each chunk is three operations on the
-    // receiving side stream that wait for the peer; a stream holds only so many pending operations
-    // (about a thousand) before enqueueing blocks the host thread, which may be the one that has
-    // yet to launch the peer (measured: 491 chunks deadlocked until the time budget ran out; at 1
-    // GiB through XLA 7 chunks of 16 MiB gave 371 GB/s where 25 of 4 MiB once gave 318).
-    if (host.ce && host.elems > 0) {
-      host.chunk = std::max(host.chunk, ((host.elems + kMaxCEChunks - 1) / kMaxCEChunks + align - 1) / align * align);
-    }
-    host.blocks = static_cast<int>(std::min<int64_t>(host.blocks, (host.elems + host.chunk - 1) / std::max<int64_t>(host.chunk, 1)));
-  }
-  const int64_t nv_total = prog.total_elems() - host.elems;
-  if (host.elems > 0) {
-    std::vector<int> order;
-    for (int t : prog.trees_by_offset())
-      if (seg_len[t] > 0) order.push_back(t);
-    std::vector<int64_t> lo(order.size() + 1, nv_total);
-    for (size_t i = 0; i < order.size(); ++i)
-      lo[i] = i == 0 ? 0
-                     : static_cast<int64_t>(static_cast<__int128>(seg_off[order[i]]) * nv_total / prog.total_elems()) / align * align;
-    for (size_t i = 0; i < order.size(); ++i) {
-      seg_off[order[i]] = lo[i];
-      seg_len[order[i]] = std::max<int64_t>(0, lo[i + 1] - lo[i]);
-    }
-  }
-  const int Gu = G - host.blocks;  // blocks that play the trees' units
-
-  // Pieces: U = m * Gu units (m rounds per block) of at most the program's chunk, no smaller than
-  // min_piece_bytes, each tree a share proportional to its segment, interleaved across trees.
+// Pieces (units): U = m * blocks units (m rounds per block) of at most the program's chunk, no
+// smaller than min_piece_bytes, each tree a share proportional to its segment, interleaved across
+// trees so that every block plays every tree. Piece boundaries fall on 16-byte atoms.
+std::vector<Unit> SplitIntoUnits(const Program& prog, const std::vector<int64_t>& seg_off,
+                                 const std::vector<int64_t>& seg_len, int blocks, int esize, const Options& opt) {
+  const int64_t align = std::max(1, 16 / esize);
   const int64_t min_piece = std::max<int64_t>(16, opt.min_piece_bytes);
   const int64_t piece_max = std::clamp<int64_t>(prog.chunk_elems() * esize, min_piece, std::max(min_piece, kMaxPieceBytes));
   std::vector<int> live;
   int64_t total_seg = 0;
-  for (int t = 0; t < ntrees; ++t)
+  for (int t = 0; t < prog.ntrees(); ++t)
     if (seg_len[t] > 0) { live.push_back(t); total_seg += seg_len[t]; }
-  std::vector<int64_t> pieces(ntrees, 0);
+  std::vector<int64_t> pieces(prog.ntrees(), 0);
   if (!live.empty()) {
     const int64_t bytes = total_seg * esize;
-    const int64_t m = (bytes + static_cast<int64_t>(Gu) * piece_max - 1) / (static_cast<int64_t>(Gu) * piece_max);
-    int64_t U = std::min<int64_t>(m * Gu, (bytes + min_piece - 1) / min_piece);
+    const int64_t m = (bytes + static_cast<int64_t>(blocks) * piece_max - 1) / (static_cast<int64_t>(blocks) * piece_max);
+    int64_t U = std::min<int64_t>(m * blocks, (bytes + min_piece - 1) / min_piece);
     U = std::min<int64_t>(std::max<int64_t>(U, live.size()), kMaxUnits);
     // Largest remainders, every live tree >= 1 piece, no tree more pieces than aligned atoms.
     int64_t given = 0;
@@ -805,37 +817,251 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
       const int64_t hi = std::min(seg_len[t], (i + 1) * atoms / pieces[t] * align);
       if (hi > lo) units.push_back(Unit{seg_off[t] + lo, static_cast<int32_t>(hi - lo), t});
     }
-  const int U = static_cast<int>(units.size());
-  std::vector<int64_t> gaps;
-  {
-    int64_t at = 0;
-    for (int t : prog.trees_by_offset()) {
-      if (seg_len[t] == 0) continue;  // an empty segment says nothing about coverage
-      if (seg_off[t] > at) { gaps.push_back(at); gaps.push_back(seg_off[t] - at); }
-      at = seg_off[t] + seg_len[t];
-    }
-    if (nv_total > at) { gaps.push_back(at); gaps.push_back(nv_total - at); }
-  }
+  return units;
+}
 
-  // Layout (the same on every rank).
-  Params base{};
+// (offset, length) pairs, flattened, of [0, nv_total) outside every tree's segment: out = in there.
+std::vector<int64_t> GapsOutsideSegments(const Program& prog, const std::vector<int64_t>& seg_off,
+                                         const std::vector<int64_t>& seg_len, int64_t nv_total) {
+  std::vector<int64_t> gaps;
+  int64_t at = 0;
+  for (int t : prog.trees_by_offset()) {
+    if (seg_len[t] == 0) continue;  // an empty segment says nothing about coverage
+    if (seg_off[t] > at) { gaps.push_back(at); gaps.push_back(seg_off[t] - at); }
+    at = seg_off[t] + seg_len[t];
+  }
+  if (nv_total > at) { gaps.push_back(at); gaps.push_back(nv_total - at); }
+  return gaps;
+}
+
+// The site block's layout, the same on every rank: first what the kernels write (counters, flags,
+// pointer tables: zeroed by set-up and by reset), from `dyn` on the read-only plan.
+struct SiteBlockLayout {
+  size_t dyn = 0, bytes = 0;
+};
+std::string LayOutSiteBlock(int n, int G, int U, int ntrees, size_t gap_words, Params* base, SiteBlockLayout* out) {
   size_t off = 0;
   auto take = [&](size_t bytes, size_t al) { off = AlignUp(off, al); size_t o = off; off += bytes; return static_cast<uint32_t>(o); };
-  base.off_blk_seq = take(4u * G, 16);
-  base.off_ptr_flag = take(4u * 2 * n, 16);  // [peer][call parity]
-  base.off_abort = take(4u * n, 16);
-  base.off_ptr_in = take(8u * 2 * n, 16);
-  base.off_ptr_out = take(8u * 2 * n, 16);
-  base.off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
-  const size_t dyn = AlignUp(off, 128);
-  off = dyn;
-  base.off_units = take(sizeof(Unit) * std::max(U, 1), 16);
-  base.off_trees = take(sizeof(TreeRank) * std::max(ntrees, 1), 16);
-  base.off_kids = take(4ull * std::max(ntrees * n, 1), 16);
-  base.off_gaps = take(8ull * std::max<size_t>(gaps.size(), 2), 16);
-  base.off_peer_base = take(8ull * n, 16);
-  const size_t bytes = AlignUp(off, 256);
-  if (bytes > 0xffffffffull) return "jax_blink CUDA executor: site state too large";
+  base->off_blk_seq = take(4u * G, 16);
+  base->off_ptr_flag = take(4u * 2 * n, 16);  // [peer][call parity]
+  base->off_abort = take(4u * n, 16);
+  base->off_ptr_in = take(8u * 2 * n, 16);
+  base->off_ptr_out = take(8u * 2 * n, 16);
+  base->off_inbox = take(4ull * n * 2 * std::max(U, 1), 128);
+  out->dyn = AlignUp(off, 128);
+  off = out->dyn;
+  base->off_units = take(sizeof(Unit) * std::max(U, 1), 16);
+  base->off_trees = take(sizeof(TreeRank) * std::max(ntrees, 1), 16);
+  base->off_kids = take(4ull * std::max(ntrees * n, 1), 16);
+  base->off_gaps = take(8ull * std::max<size_t>(gap_words, 2), 16);
+  base->off_peer_base = take(8ull * n, 16);
+  out->bytes = AlignUp(off, 256);
+  // The kernels address the block with 32-bit offsets.
+  if (out->bytes > 0xffffffffull) return "jax_blink CUDA executor: site state too large";
+  return {};
+}
+
+// The host channel's part of the parameters (Mode::kHybrid): the slice and the communicator's channel.
+void SetHostChannelParams(const Comm* comm, const HostSlice& host, int64_t nv_total, Params* base) {
+  base->host_off = nv_total;
+  base->host_elems = host.elems;
+  base->host_chunk = host.chunk;
+  base->host_slot = comm->host_slot;
+  base->host_max_chunks = comm->host_max_chunks;
+  base->hctl_blocks = comm->blocks;
+  base->host_blocks = host.blocks;
+  base->host_ce = host.ce ? 1 : 0;
+}
+
+// A small all-reduce skips the trees: LL lines up to the LL limit (any rank count up to
+// kMaxLLRanks), chunks with one flag each up to the one-shot limit (2 ranks), where the
+// communicator's staging holds it. Sets the one-shot parameters and grid; *mode stays kTree
+// otherwise.
+std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& prog, bool allreduce, int esize,
+                                int64_t comm_id, Params* base, Mode* mode) {
+  const int n = prog.nranks();
+  const int G = comm->blocks;
+  const int64_t payload = prog.total_elems() * esize;
+  const int64_t ll_max = opt.ll_max_bytes >= 0 ? opt.ll_max_bytes : DefaultLLMax();
+  const int64_t os_max = n == 2 ? (opt.oneshot_max_bytes >= 0 ? opt.oneshot_max_bytes : DefaultOneShotMax(n)) : 0;
+  *mode = Mode::kTree;
+  if (!allreduce || payload <= 0) return {};
+  if (n <= kMaxLLRanks && payload <= ll_max) *mode = Mode::kLL;
+  else if (payload <= os_max) *mode = Mode::kOneShot;
+  else return {};
+  if (std::string err = EnsureStagingLocked(comm); !err.empty()) return err;
+  const uint64_t need = *mode == Mode::kLL ? static_cast<uint64_t>((payload + 7) / 8) * 16 : static_cast<uint64_t>(payload);
+  if (need > comm->region) {
+    *mode = Mode::kTree;
+    return {};
+  }
+  base->stg_off_seq = comm->off_seq;
+  base->stg_off_flags = comm->off_flags;
+  base->stg_off_data = comm->off_data;
+  base->stg_region = comm->region;
+  base->stg_max_chunks = comm->max_chunks;
+  base->stg_blocks = G;
+  base->os_site = static_cast<uint32_t>(comm_id) | 1u;  // never 0: k ^ site != k
+  base->os_elems = prog.total_elems();
+  if (*mode == Mode::kLL) {
+    const int64_t lines = (payload + 7) / 8;
+    base->grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
+    return {};
+  }
+  // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte
+  // multiples); more chunks per block measured slower (benchmarks/NOTES.md, change 6).
+  const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + G - 1) / G, 16));
+  const int64_t cbytes = std::max<int64_t>(kMinOneShotChunk, AlignUp(std::min<int64_t>(prog.chunk_elems() * esize, spread), 16));
+  base->os_chunk = cbytes / esize;
+  const int64_t nch = (prog.total_elems() + base->os_chunk - 1) / base->os_chunk;
+  if (nch > comm->max_chunks) return "jax_blink CUDA executor: internal: one-shot chunks exceed the staging flags";
+  base->grid = static_cast<int>(std::min<int64_t>(G, nch));
+  return {};
+}
+
+// Rank r's read-only plan (the block from `dyn` on), built on the host and copied once: the units,
+// how r sees each tree (parent, children with their leaf bit, push or pull per edge), the gaps
+// and every rank's site block address.
+std::vector<uint8_t> RankPlan(const Program& prog, int r, const Params& base, const SiteBlockLayout& layout,
+                              const std::vector<Unit>& units, const std::vector<int64_t>& gaps,
+                              const std::vector<int64_t>& seg_off, const std::vector<uint8_t*>& mem) {
+  const int n = prog.nranks(), ntrees = prog.ntrees();
+  std::vector<uint8_t> h(layout.bytes - layout.dyn, 0);
+  auto at = [&](uint32_t o) { return h.data() + (o - layout.dyn); };
+  if (!units.empty()) std::memcpy(at(base.off_units), units.data(), sizeof(Unit) * units.size());
+  std::vector<TreeRank> trs(ntrees);
+  std::vector<int32_t> kid_list;
+  for (int t = 0; t < ntrees; ++t) {
+    const TreeView& tv = prog.tree(t);
+    TreeRank& tr = trs[t];
+    tr.seg_offset = seg_off[t];
+    tr.parent = tv.parent[r];
+    tr.phases = tv.phases;
+    tr.kid_begin = static_cast<int32_t>(kid_list.size());
+    for (int c : prog.children(t, r)) kid_list.push_back(c | ((prog.children(t, c).empty() ? 1 : 0) << 16));
+    tr.kid_count = static_cast<int32_t>(kid_list.size()) - tr.kid_begin;
+    tr.leaf = tr.kid_count == 0;
+    const bool has_reduce = (tv.phases & kPhaseReduce) != 0;
+    tr.push_up = has_reduce && tr.parent >= 0 && prog.children(t, tr.parent).size() == 1;
+    tr.kid_push = has_reduce && tr.kid_count == 1;
+  }
+  if (ntrees > 0) std::memcpy(at(base.off_trees), trs.data(), sizeof(TreeRank) * ntrees);
+  if (!kid_list.empty()) std::memcpy(at(base.off_kids), kid_list.data(), 4 * kid_list.size());
+  if (!gaps.empty()) std::memcpy(at(base.off_gaps), gaps.data(), 8 * gaps.size());
+  std::vector<uint64_t> pb(n);
+  for (int q = 0; q < n; ++q) pb[q] = reinterpret_cast<uint64_t>(mem[q]);
+  std::memcpy(at(base.off_peer_base), pb.data(), 8 * n);
+  return h;
+}
+
+void FreeSiteBlocks(const std::vector<int>& devices, std::vector<uint8_t*>* mem) {
+  for (size_t r = 0; r < mem->size(); ++r)
+    if ((*mem)[r] != nullptr && cudaSetDevice(devices[r]) == cudaSuccess) {
+      cudaFree((*mem)[r]);  // a failing set-up's clean-up: its first error is the one reported
+      (*mem)[r] = nullptr;
+    }
+}
+
+// One site block per rank on its device: zeroed where the kernels write, the plan behind it.
+// Every rank's address goes into every plan, so all blocks exist before any plan is built.
+std::string MakeSiteBlocks(const std::vector<int>& devices, const Program& prog, const Params& base,
+                           const SiteBlockLayout& layout, const std::vector<Unit>& units, const std::vector<int64_t>& gaps,
+                           const std::vector<int64_t>& seg_off, std::vector<uint8_t*>* mem) {
+  const int n = static_cast<int>(devices.size());
+  mem->assign(n, nullptr);
+  for (int r = 0; r < n; ++r) {
+    cudaError_t e = cudaSetDevice(devices[r]);
+    if (e == cudaSuccess) e = cudaMalloc(&(*mem)[r], layout.bytes);
+    if (e != cudaSuccess) { FreeSiteBlocks(devices, mem); return CudaErr("cudaMalloc (site state)", e); }
+  }
+  for (int r = 0; r < n; ++r) {
+    const std::vector<uint8_t> plan = RankPlan(prog, r, base, layout, units, gaps, seg_off, *mem);
+    DeviceState* ds = g_dev[devices[r]].load();
+    cudaError_t e = cudaSetDevice(devices[r]);
+    if (e == cudaSuccess) e = cudaMemsetAsync((*mem)[r], 0, layout.dyn, ds->stream);
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync((*mem)[r] + layout.dyn, plan.data(), plan.size(), cudaMemcpyHostToDevice, ds->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(ds->stream);  // `plan` dies at the end of this pass
+    if (e != cudaSuccess) { FreeSiteBlocks(devices, mem); return CudaErr("initialising site state", e); }
+  }
+  return {};
+}
+
+// Rank r's Site: the parameters every rank shares, plus its own site block, its device's error
+// records and kernel handles, and its side of the communicator's staging or host channel.
+std::unique_ptr<Site> NewRankSite(Comm* comm, const Program& prog, int r, int device, int esize, Mode mode, bool host_ce,
+                                  const Params& base, const SiteBlockLayout& layout, uint8_t* mem) {
+  auto s = std::make_unique<Site>();
+  const DeviceState* ds = g_dev[device].load();
+  s->comm = comm;
+  s->rank = r;
+  s->nranks = prog.nranks();
+  s->device = device;
+  s->esize = esize;
+  s->grid = base.grid;
+  s->total = prog.total_elems();
+  s->units = base.nunits;
+  s->mem = mem;
+  s->mem_bytes = layout.bytes;
+  s->dyn_bytes = layout.dyn;
+  s->params = base;
+  s->params.site = mem;
+  s->params.rank = r;
+  s->params.device = device;
+  s->params.dev_claim = ds->claim;
+  s->params.rec = ds->rec_dev;
+  s->mode = mode;
+  std::memcpy(s->fn, ds->fn[KernelIndex(mode)], sizeof s->fn);
+  s->one_rank = ds->one_rank;
+  if (prog.nranks() == 1) {  // one_rank_kernel's block: as many threads as a small copy has 16-byte words
+    const int64_t words = (prog.total_elems() * esize + 15) / 16;
+    s->copy_threads = static_cast<unsigned>(base.grid > 1 ? kCopyThreads : std::clamp<int64_t>((words + 31) / 32 * 32, 32, kCopyThreads));
+  }
+  if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
+  if (mode == Mode::kHybrid) {
+    s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
+    s->params.host_peer = static_cast<const uint8_t*>(comm->host_dev[1 - r]);
+    s->params.hctl_mine = comm->hctl[r];
+    s->params.hctl_peer = comm->hctl[1 - r];
+    s->host_ce = host_ce;
+    if (host_ce) {
+      s->params.stage = comm->ce[r]->stage;
+      s->params.ready_mine = comm->ce[r]->ready_dev;
+    }
+  }
+  return s;
+}
+
+// A site for every rank of `devices` at once, under g_mu: check the request, find the
+// communicator, decide what the host channel takes, cut the trees' segments into units, lay out
+// the site block, choose the kernel, then make and fill one block per rank.
+std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* program, int64_t len, int esize,
+                             const Options& opt, int64_t comm_id, std::vector<Site*>* sites) {
+  if (std::string env = CheckEnvironment(); !env.empty()) return env;
+  Program prog;
+  if (std::string err = prog.Decode(program, len); !err.empty()) return "jax_blink CUDA executor: bad schedule program: " + err;
+  if (std::string err = CheckSiteRequest(prog, devices, esize); !err.empty()) return err;
+  Comm* comm;
+  if (std::string err = GetCommLocked(devices, opt, &comm); !err.empty()) return err;
+  DeviceGuard guard;
+  const int n = prog.nranks();
+  const int G = comm->blocks;
+  const int64_t align = std::max(1, 16 / esize);  // elements per 16 bytes: the vector paths' unit
+  const bool allreduce = IsAllReduce(prog);
+
+  HostSlice host;
+  if (std::string err = FitHostSliceLocked(comm, opt, prog, allreduce, esize, &host); !err.empty()) return err;
+  const int64_t nv_total = prog.total_elems() - host.elems;  // what the trees (NVLink) carry
+  std::vector<int64_t> seg_off, seg_len;
+  SegmentsBeforeHostSlice(prog, nv_total, align, &seg_off, &seg_len);
+  const int Gu = G - host.blocks;  // blocks that play the trees' units
+  const std::vector<Unit> units = SplitIntoUnits(prog, seg_off, seg_len, Gu, esize, opt);
+  const int U = static_cast<int>(units.size());
+  const std::vector<int64_t> gaps = GapsOutsideSegments(prog, seg_off, seg_len, nv_total);
+
+  Params base{};
+  SiteBlockLayout layout;
+  if (std::string err = LayOutSiteBlock(n, G, U, prog.ntrees(), gaps.size(), &base, &layout); !err.empty()) return err;
   base.nranks = n;
   base.nunits = U;
   base.ngaps = static_cast<int32_t>(gaps.size() / 2);
@@ -845,145 +1071,21 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   if (n == 1)  // the identity: one_rank_kernel's blocks (Launch)
     base.grid = static_cast<int>(std::clamp<int64_t>(
         (prog.total_elems() * esize + kCopyBytesPerBlock - 1) / kCopyBytesPerBlock, 1, int64_t{8} * G));
-  if (host.elems > 0) {
-    base.host_off = nv_total;
-    base.host_elems = host.elems;
-    base.host_chunk = host.chunk;
-    base.host_slot = comm->host_slot;
-    base.host_max_chunks = comm->host_max_chunks;
-    base.hctl_blocks = G;
-    base.host_blocks = host.blocks;
-    base.host_ce = host.ce ? 1 : 0;
-  }
-
-  // The host channel beside the trees (decided above), or one-shot instead of the trees: an
-  // all-reduce within the limits and the communicator's staging.
+  // The host channel beside the trees, or else perhaps a one-shot kernel instead of them.
   Mode mode = host.elems > 0 ? Mode::kHybrid : Mode::kTree;
-  if (mode == Mode::kTree) {
-    const int64_t payload = prog.total_elems() * esize;
-    const int64_t ll_max = opt.ll_max_bytes >= 0 ? opt.ll_max_bytes : DefaultLLMax();
-    const int64_t os_max = n == 2 ? (opt.oneshot_max_bytes >= 0 ? opt.oneshot_max_bytes : DefaultOneShotMax(n)) : 0;
-    if (allreduce && payload > 0) {
-      if (n <= kMaxLLRanks && payload <= ll_max) mode = Mode::kLL;
-      else if (payload <= os_max) mode = Mode::kOneShot;
-    }
-    if (mode != Mode::kTree) {
-      std::string serr = EnsureStagingLocked(comm);
-      if (!serr.empty()) return serr;
-      const uint64_t need = mode == Mode::kLL ? static_cast<uint64_t>((payload + 7) / 8) * 16 : static_cast<uint64_t>(payload);
-      if (need > comm->region) mode = Mode::kTree;
-    }
-    if (mode != Mode::kTree) {
-      base.stg_off_seq = comm->off_seq;
-      base.stg_off_flags = comm->off_flags;
-      base.stg_off_data = comm->off_data;
-      base.stg_region = comm->region;
-      base.stg_max_chunks = comm->max_chunks;
-      base.stg_blocks = G;
-      base.os_site = static_cast<uint32_t>(comm_id) | 1u;  // never 0: k ^ site != k
-      base.os_elems = prog.total_elems();
-      if (mode == Mode::kLL) {
-        const int64_t lines = (payload + 7) / 8;
-        base.grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
-      } else {
-        // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte
-        // multiples). More chunks per block measured slower (benchmarks/NOTES.md, change 6).
-        const int64_t spread = std::max<int64_t>(kMinOneShotChunk, AlignUp((payload + G - 1) / G, 16));
-        const int64_t cbytes = std::max<int64_t>(kMinOneShotChunk, AlignUp(std::min<int64_t>(prog.chunk_elems() * esize, spread), 16));
-        base.os_chunk = cbytes / esize;
-        const int64_t nch = (prog.total_elems() + base.os_chunk - 1) / base.os_chunk;
-        if (nch > comm->max_chunks) return "jax_blink CUDA executor: internal: one-shot chunks exceed the staging flags";
-        base.grid = static_cast<int>(std::min<int64_t>(G, nch));
-      }
-    }
+  if (mode == Mode::kHybrid) {
+    SetHostChannelParams(comm, host, nv_total, &base);
+  } else if (std::string err = ChooseOneShotLocked(comm, opt, prog, allreduce, esize, comm_id, &base, &mode);
+             !err.empty()) {
+    return err;
   }
 
-  std::vector<uint8_t*> mem(n, nullptr);
-  auto free_all = [&] { for (int r = 0; r < n; ++r) if (mem[r]) { cudaSetDevice(devices[r]); cudaFree(mem[r]); } };
-  for (int r = 0; r < n; ++r) {
-    cudaSetDevice(devices[r]);
-    cudaError_t e = cudaMalloc(&mem[r], bytes);
-    if (e != cudaSuccess) { free_all(); return CudaErr("cudaMalloc (site state)", e); }
-  }
-  // Per-rank plan, host side, then copied once.
-  std::vector<std::vector<uint8_t>> plans(n);
-  for (int r = 0; r < n; ++r) {
-    std::vector<uint8_t>& h = plans[r];
-    h.assign(bytes - dyn, 0);
-    auto at = [&](uint32_t o) { return h.data() + (o - dyn); };
-    if (U > 0) std::memcpy(at(base.off_units), units.data(), sizeof(Unit) * U);
-    std::vector<TreeRank> trs(ntrees);
-    std::vector<int32_t> kid_list;
-    for (int t = 0; t < ntrees; ++t) {
-      const TreeView& tv = prog.tree(t);
-      TreeRank& tr = trs[t];
-      tr.seg_offset = seg_off[t];
-      tr.parent = tv.parent[r];
-      tr.phases = tv.phases;
-      tr.kid_begin = static_cast<int32_t>(kid_list.size());
-      for (int c : prog.children(t, r)) kid_list.push_back(c | ((prog.children(t, c).empty() ? 1 : 0) << 16));
-      tr.kid_count = static_cast<int32_t>(kid_list.size()) - tr.kid_begin;
-      tr.leaf = tr.kid_count == 0;
-      const bool has_reduce = (tv.phases & kPhaseReduce) != 0;
-      tr.push_up = has_reduce && tr.parent >= 0 && prog.children(t, tr.parent).size() == 1;
-      tr.kid_push = has_reduce && tr.kid_count == 1;
-    }
-    if (ntrees > 0) std::memcpy(at(base.off_trees), trs.data(), sizeof(TreeRank) * ntrees);
-    if (!kid_list.empty()) std::memcpy(at(base.off_kids), kid_list.data(), 4 * kid_list.size());
-    if (!gaps.empty()) std::memcpy(at(base.off_gaps), gaps.data(), 8 * gaps.size());
-    std::vector<uint64_t> pb(n);
-    for (int q = 0; q < n; ++q) pb[q] = reinterpret_cast<uint64_t>(mem[q]);
-    std::memcpy(at(base.off_peer_base), pb.data(), 8 * n);
-  }
-  for (int r = 0; r < n; ++r) {
-    DeviceState* ds = g_dev[devices[r]].load();
-    cudaSetDevice(devices[r]);
-    cudaError_t e = cudaMemsetAsync(mem[r], 0, dyn, ds->stream);
-    if (e == cudaSuccess) e = cudaMemcpyAsync(mem[r] + dyn, plans[r].data(), bytes - dyn, cudaMemcpyHostToDevice, ds->stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(ds->stream);
-    if (e != cudaSuccess) { free_all(); return CudaErr("initialising site state", e); }
-  }
+  std::vector<uint8_t*> mem;
+  if (std::string err = MakeSiteBlocks(devices, prog, base, layout, units, gaps, seg_off, &mem); !err.empty()) return err;
   sites->assign(n, nullptr);
   for (int r = 0; r < n; ++r) {
-    auto s = std::make_unique<Site>();
-    DeviceState* ds = g_dev[devices[r]].load();
-    s->comm = comm;
-    s->rank = r;
-    s->nranks = n;
-    s->device = devices[r];
-    s->esize = esize;
-    s->grid = base.grid;
-    s->total = prog.total_elems();
-    s->units = U;
+    std::unique_ptr<Site> s = NewRankSite(comm, prog, r, devices[r], esize, mode, host.ce, base, layout, mem[r]);
     s->words.assign(program, program + len);
-    s->mem = mem[r];
-    s->mem_bytes = bytes;
-    s->dyn_bytes = dyn;
-    s->params = base;
-    s->params.site = mem[r];
-    s->params.rank = r;
-    s->params.device = devices[r];
-    s->params.dev_claim = ds->claim;
-    s->params.rec = ds->rec_dev;
-    s->mode = mode;
-    std::memcpy(s->fn, ds->fn[KernelIndex(mode)], sizeof s->fn);
-    s->one_rank = ds->one_rank;
-    if (n == 1) {
-      const int64_t words = (prog.total_elems() * esize + 15) / 16;
-      s->copy_threads = static_cast<unsigned>(base.grid > 1 ? kCopyThreads : std::clamp<int64_t>((words + 31) / 32 * 32, 32, kCopyThreads));
-    }
-    if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
-    if (mode == Mode::kHybrid) {
-      s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
-      s->params.host_peer = static_cast<const uint8_t*>(comm->host_dev[1 - r]);
-      s->params.hctl_mine = comm->hctl[r];
-      s->params.hctl_peer = comm->hctl[1 - r];
-      s->host_ce = host.ce;
-      if (host.ce) {
-        s->params.stage = comm->ce[r]->stage;
-        s->params.ready_mine = comm->ce[r]->ready_dev;
-      }
-    }
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
     g_sites.push_back(std::move(s));

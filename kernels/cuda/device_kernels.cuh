@@ -1,7 +1,7 @@
 // Device side of the CUDA executor: the layouts it shares with the host (ErrorRecord, the plan's
 // Unit / TreeRank records, Params), element types and ops, the combine loops, and the kernels
 // (tree, LL, one-shot) with KernelFor(). The protocol they run is described at the top of
-// cuda_executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
+// cuda/executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-#include "cuda_executor.h"
-#include "device_sync.cuh"
-#include "program.h"
+#include "common/program.h"
+#include "cuda/device_sync.cuh"
+#include "cuda/executor.h"
 
 namespace jax_blink::cuda {
 namespace {
@@ -685,7 +685,7 @@ __device__ bool oneshot_begin(const Params& p, Shared& sh) {
   // Every word of the prologue is loaded before any of them is used: one memory round trip in
   // all (thread i < n: rank i's site and staging bases and its abort marker here; thread 0: the
   // call counter, the device claim, the clock), where storing each into shared memory before
-  // the next load cost one trip per word (issue 17).
+  // the next load cost one trip per word (benchmarks/NOTES.md, change 7).
   const bool peer = tid < p.nranks;
   const uint64_t pb = peer ? reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base)[tid] : 0;
   const uint64_t sp = peer ? reinterpret_cast<const uint64_t*>(p.stg)[tid] : 0;
@@ -961,8 +961,8 @@ __global__ void __launch_bounds__(kThreads, 1) oneshot_kernel(const Params p) {
 // One rank (a mesh axis of one device): every collective is the identity, out = in, and nobody is
 // waited for or told anything (no counter, no flags, no device claim: a failed device's one-rank
 // call still returns its operand). A small kernel of its own: launched as the tree kernel, the
-// same copy took 1.44 us per call in a CUDA graph against 0.99 for XLA's copy-sized fusion
-// (issue 17; the collective kernels' 512-thread blocks, 300-byte parameter block and size).
+// same copy cost half as much again as XLA's copy-sized fusion (the collective kernels' 512-thread
+// blocks, 300-byte parameter block and size; benchmarks/NOTES.md, change 8).
 // Launched with as many threads as a small copy has 16-byte words (at least a warp, at most
 // kCopyThreads: 64 for 1 KiB, the shape of XLA's fusion), so no thread only checks its bound.
 constexpr int kCopyThreads = 256;

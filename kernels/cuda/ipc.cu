@@ -1,4 +1,4 @@
-// CUDA back end of "jax_blink_collective_ipc": see cuda_ipc.h.
+// CUDA back end of "jax_blink_collective_ipc": see cuda/ipc.h.
 //
 // Region of one rank (cudaMalloc on its GPU, exported once with cudaIpcGetMemHandle):
 //   [0, 256)                control: the push kernel's block counter, the consume kernels' failure claim
@@ -42,7 +42,7 @@
 // collective on this GPU, or jax_blink.check(), returns the error (a kernel cannot raise) naming
 // the rank and its process.
 
-#include "cuda_ipc.h"
+#include "cuda/ipc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,8 +61,8 @@
 #include <tuple>
 #include <vector>
 
-#include "device_sync.cuh"
-#include "ffi_binding.h"
+#include "cuda/device_sync.cuh"
+#include "cuda/gpu_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -97,9 +97,9 @@ struct Comm {
   int device = 0;
   int64_t bytes = 0;  // the operand's (and the result's) size
   int64_t piece = 0;  // what one rank pushes to one peer
-  // The kernels' most blocks: one per SM, as the one-process executor and the measured peer-write
-  // ceiling (NOTES) use (an SM issues a bounded number of remote stores at once, so the link
-  // needs many SMs), or JAX_BLINK_IPC_BLOCKS.
+  // The kernels' most blocks: one per SM, as the one-process executor uses (an SM issues a
+  // bounded number of remote stores at once, so the link needs many SMs: docs/DESIGN.md, "Facts
+  // and measured ceilings"), or JAX_BLINK_IPC_BLOCKS.
   int max_blocks = 1;
   size_t slot = 0, off_flags = 0, off_inbox = 0, size = 0;
   char* mine = nullptr;
@@ -585,7 +585,5 @@ void ReleaseAll() {
 }  // namespace jax_blink::cuda_ipc
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveIpc, jax_blink::cuda_ipc::Execute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>() JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
-                                      JAX_BLINK_PROCESS_ATTRS);
+                              JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
+                                  JAX_BLINK_PROCESS_ATTRS);

@@ -1,5 +1,5 @@
 // CPU back end of the FFI target "jax_blink_collective": XLA host devices (one host thread each)
-// meet at an in-process rendezvous per (comm_id, group) and run the schedule of program.h.
+// meet at an in-process rendezvous per (comm_id, group) and run the schedule of common/program.h.
 #pragma once
 
 #include <cstddef>
@@ -9,7 +9,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
-// The typed-FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL in cpu_executor.cc). Binding:
+// The typed-FFI handler (XLA_FFI_DEFINE_HANDLER_SYMBOL in cpu/executor.cc). Binding:
 //   Ctx<DeviceOrdinal>, Ctx<RunId> (matches calls of one launch), Arg<AnyBuffer> x, Arg<Buffer<S32>> rank, Arg<Buffer<S32>> group,
 //   Ret<AnyBuffer> out, Attr<Span<const int32_t>> program, Attr<int32_t> op,
 //   Attr<int64_t> comm_id, Attr<int64_t> timeout_ms, Attr<float> host_share (ignored here: on

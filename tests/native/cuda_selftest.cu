@@ -1,7 +1,12 @@
 // Standalone self-test and micro-benchmark of the CUDA executor (no JAX, no Python).
 //
-// Build and run from the repository root (one line):
-//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Ikernels -o /tmp/cuda_selftest kernels/cuda_selftest.cu kernels/cuda_executor.cu && /tmp/cuda_selftest && /tmp/cuda_selftest --bench
+// Build from the repository root, through CMake (the flags of the shipped executor; `native`: the
+// GPUs of this machine):
+//   cmake -S . -B /tmp/jb-selftest -DJAX_BLINK_BUILD_SELFTEST=ON -DJAX_BLINK_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native
+//   cmake --build /tmp/jb-selftest --target cuda_selftest && /tmp/jb-selftest/cuda_selftest
+// or with nvcc alone (one line):
+//   nvcc -std=c++17 -O3 -arch=native -lineinfo -Ikernels -o /tmp/cuda_selftest tests/native/cuda_selftest.cu kernels/cuda/executor.cu
+// benchmarks/gpu_session.sh builds it through CMake (steps selftest, stbench, sanitizer, hybrid).
 //
 // Modes:
 //   (none)     every test: N ranks as N streams of GPU 0 (small grids, all blocks resident), then,
@@ -35,8 +40,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_executor.h"
-#include "program.h"
+#include "common/program.h"
+#include "cuda/executor.h"
 
 using namespace jax_blink;
 using jax_blink::cuda::DType;
@@ -187,7 +192,7 @@ double Combine(int op, double a, double b) {
   return a <= b ? a : b;
 }
 
-// The program's semantics in double, one rounding to the dtype per hop (program.h).
+// The program's semantics in double, one rounding to the dtype per hop (common/program.h).
 std::vector<std::vector<double>> Reference(int n, const std::vector<TreeSpec>& trees,
                                            const std::vector<std::vector<double>>& in, int op, DType d) {
   std::vector<std::vector<double>> out = in;
@@ -770,6 +775,9 @@ std::vector<Case> OneGpuCases(bool quick) {
                 Dgx1vTrees(600000), false, true});
   cs.push_back({"1gpu 8r dgx1v 3 trees s32 max", same(8), DType::kS32, 1, 200000, 2048, Dgx1vTrees(200000)});
   cs.back().min_piece = 2048;
+  // The planner's all-reduce forms (rings, reduce-scatter + all-gather over the trees, shallow
+  // trees) on the DGX-1 presets: generated from jax_blink/planning/forms.py.
+#include "form_cases.inc"
   cs.push_back({"1gpu 8r chain depth 7 f64 sum", same(8), DType::kF64, 0, 123457, 4096,
                 {{5, 3, 0, 123457, ChainParents(8, 5)}}});
   cs.back().min_piece = 4096;

@@ -5,8 +5,8 @@
 
 #include <stdexcept>
 
-#include "cpu_executor.h"
-#include "cpu_shm.h"
+#include "cpu/executor.h"
+#include "cpu/shm.h"
 
 namespace nb = nanobind;
 
@@ -18,7 +18,7 @@ NB_MODULE(_blink_cpu, m) {
       []() {
         nb::dict d;
         d["jax_blink_collective"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveCpu));
-        // Ranks in several processes of one machine (cpu_shm.h).
+        // Ranks in several processes of one machine (cpu/shm.h).
         d["jax_blink_collective_mp"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveShm));
         d["jax_blink_after"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkAfterCpu));
         return d;
@@ -59,7 +59,7 @@ NB_MODULE(_blink_cpu, m) {
 
   m.def("version", &jax_blink::cpu::Version);
 
-  // Jobs of several processes (cpu_shm.h).
+  // Jobs of several processes (cpu/shm.h).
   m.def(
       "shm_set_job",
       [](const std::string& key, int process_index) {

@@ -1,5 +1,5 @@
 // CPU back end of "jax_blink_collective_mp": a collective whose ranks live in several processes
-// of one machine. See cpu_shm.h; the schedule's semantics are program.h's.
+// of one machine. See cpu/shm.h; the schedule's semantics are common/program.h's.
 //
 // ## The segment
 // One POSIX shared-memory segment per communicator (comm_id, group), named
@@ -7,7 +7,7 @@
 // (jax_blink/distributed.py), so a segment of another job, or of a crashed earlier job, is never
 // opened. Layout: a header (magic, the program's hash, dtype, op, sizes, the number of ranks
 // attached, the first failure), one record per rank (attached, process, pid, device, futex epoch,
-// waiters, calls done), the progress words (nranks x ntrees x 2, as in cpu_executor.cc) and one
+// waiters, calls done), the progress words (nranks x ntrees x 2, as in cpu/executor.cc) and one
 // staging area per rank (the operand's size). Every rank computes its result in its own staging
 // area, peers read it there, and the rank copies it to XLA's result buffer at the end.
 //
@@ -26,7 +26,7 @@
 // Calls of one communicator pair by their number g on each rank (RunId is per process, so it
 // cannot pair calls across processes): rank r's g-th call meets its peers' g-th call. Progress
 // words are (g << 32 | chunks done), stored with release after the chunk is in the staging area;
-// a waiter needs the high half to equal its own g. The same order of steps as cpu_executor.cc
+// a waiter needs the high half to equal its own g. The same order of steps as cpu/executor.cc
 // (trees in order; per tree all reduce chunks, then all broadcast chunks; then the exit waits), so
 // the same argument rules out deadlock, and a rank starts its next call (overwriting its staging
 // area) only after every peer that reads it has finished reading. Waits sleep on a futex (the
@@ -39,7 +39,7 @@
 // quoting it: the ranks' call numbers no longer line up, so a failed communicator stays failed
 // (the job restarts, as it would after an NCCL error).
 
-#include "cpu_shm.h"
+#include "cpu/shm.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -63,9 +63,9 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_reduce.h"
-#include "ffi_binding.h"
-#include "program.h"
+#include "common/ffi_binding.h"
+#include "common/program.h"
+#include "cpu/reduce.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -73,7 +73,7 @@ namespace ffi = xla::ffi;
 namespace jax_blink::shm {
 namespace {
 
-using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with cpu_executor.cc
+using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with cpu/executor.cc
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x314b4e494c42584aULL;  // "JXBLINK1"
@@ -448,7 +448,7 @@ class Call {
   std::string error_;
 };
 
-// Runs the schedule for one rank into its staging area `st` (cpu_executor.cc's RunSchedule with
+// Runs the schedule for one rank into its staging area `st` (cpu/executor.cc's RunSchedule with
 // peers' buffers in the segment).
 bool RunSchedule(Segment& s, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
                  char* st) {

@@ -9,7 +9,7 @@
 // ranks that need it and stores this call's number into flag [rank] of every rank; a second
 // kernel waits for every rank's flag in its own region (time budget on %globaltimer) and reduces
 // (in rank order, so ranks get the same bits) or copies its inbox into the result. Layouts and
-// the flag protocol: cuda_ipc.cu.
+// the flag protocol: cuda/ipc.cu.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// CPU back end of "jax_blink_collective": see cpu_executor.h and program.h.
+// CPU back end of "jax_blink_collective": see cpu/executor.h and common/program.h.
 //
 // ## Shape of the executor
 // XLA's CPU client runs each host device's program on its own thread and nothing orders the
@@ -76,7 +76,7 @@
 // The brief's binding plus .Ctx<ffi::RunId>() after DeviceOrdinal: contexts are not operands or
 // attributes, so the Python lowering and the CUDA back end's call are unchanged.
 
-#include "cpu_executor.h"
+#include "cpu/executor.h"
 
 #include <algorithm>
 #include <atomic>
@@ -93,9 +93,9 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_reduce.h"
-#include "ffi_binding.h"
-#include "program.h"
+#include "common/ffi_binding.h"
+#include "common/program.h"
+#include "cpu/reduce.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -103,7 +103,7 @@ namespace ffi = xla::ffi;
 namespace jax_blink::cpu {
 namespace {
 
-using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with cpu_shm.cc
+using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with cpu/shm.cc
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kDefaultTimeoutMs = 10000;
@@ -111,7 +111,7 @@ constexpr int kReduce = 0, kBroadcast = 1;
 constexpr int kDone = -2;  // Call::Wait's tree for a peer's `done` word
 
 // ---------------------------------------------------------------------------------------------
-// Element types and the combining ops: kernels/cpu_reduce.h (shared with cpu_shm.cc).
+// Element types and the combining ops: kernels/cpu/reduce.h (shared with cpu/shm.cc).
 
 // ---------------------------------------------------------------------------------------------
 // Communicator state.

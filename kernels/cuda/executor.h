@@ -1,6 +1,6 @@
 // CUDA back end of "jax_blink_collective": communicator set-up, the kernels and their launch.
-// No XLA headers here: the FFI handler (cuda_module.cc) is a thin layer over this, and the
-// standalone self-test (cuda_selftest.cu) drives it directly. See cuda_executor.cu for the
+// No XLA headers here: the FFI handler (cuda/module.cc) is a thin layer over this, and the
+// standalone self-test (cuda_selftest.cu) drives it directly. See cuda/executor.cu for the
 // protocol, the memory-ordering and the deadlock-freedom arguments.
 #pragma once
 
@@ -28,7 +28,7 @@ struct Options {
   // the program's chunk (clamped to [min_piece_bytes, 4 MiB]) and at least min_piece_bytes, so
   // that small operands still spread over the grid and large ones pipeline.
   int64_t min_piece_bytes = 8192;
-  // One-shot all-reduce through the communicator's staging inbox (see cuda_executor.cu): a site
+  // One-shot all-reduce through the communicator's staging inbox (see cuda/executor.cu): a site
   // whose program is an all-reduce (every tree reduces and broadcasts, no gaps) of at most
   // ll_max_bytes per rank uses LL lines (data and flag in one store; any rank count up to 8); of
   // at most oneshot_max_bytes on 2 ranks, chunks with one release flag each. -1: the default
@@ -56,13 +56,15 @@ struct Options {
   // (sm|ce), else kDefaultHostEngine.
   int host_engine = -1;
 };
-constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // measured: LL beats the chunked one-shot up to 512 KiB (2 x H200)
-constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // measured: at 16 MiB the trees are as fast
-constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // issue 5: the host channel from 256 MiB
+// The limits and the host channel's defaults come from measurements: benchmarks/NOTES.md, "Where
+// the CUDA executor's constants come from".
+constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // LL up to here: it beats the chunked one-shot
+constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: beyond, the trees are as fast
+constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
-constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // measured: 512 KiB > 2 MiB > 8 MiB (pipeline fill)
+constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // small chunks fill the channel's pipeline sooner
 constexpr int64_t kDefaultHostMaxBytes = int64_t{256} << 20;
-constexpr int kDefaultHostEngine = 0;  // SMs: consistent on every machine we got; copy engines (38 GB/s against 28) once were not: NOTES.md, change 4
+constexpr int kDefaultHostEngine = 0;  // SMs: the copy engines were faster on one machine only
 constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel

@@ -1,5 +1,5 @@
 // Element types and combining ops of the CPU back ends: the in-process executor
-// (cpu_executor.cc) and the shared-memory one (cpu_shm.cc). 16-bit floats accumulate in float32
+// (cpu/executor.cc) and the shared-memory one (cpu/shm.cc). 16-bit floats accumulate in float32
 // and round once per hop.
 #pragma once
 

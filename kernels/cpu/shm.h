@@ -1,6 +1,6 @@
 // CPU back end of "jax_blink_collective_mp": the collective's ranks live in several processes of
 // one machine (a jax.distributed job) and meet in a POSIX shared-memory segment per communicator.
-// The program format (program.h), the semantics and the time budget are the CPU executor's.
+// The program format (common/program.h), the semantics and the time budget are the CPU executor's.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
-// The typed-FFI handler. Binding: the CPU executor's (cpu_executor.h) plus two attributes from the
+// The typed-FFI handler. Binding: the CPU executor's (cpu/executor.h) plus two attributes from the
 // mesh at lowering time, for messages only: Attr<Span<const int32_t>> rank_process and
 // rank_device, indexed [group * nranks + rank] (-1 where the lowering did not know them), and
 // Attr<int64_t> setup_timeout_ms, the budget of a communicator's set-up (its first call).

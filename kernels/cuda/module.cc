@@ -1,13 +1,13 @@
 // nanobind module `jax_blink._blink_cuda`: the CUDA FFI handlers of "jax_blink_collective" (a thin
-// layer over cuda_executor.h) and the executor's state (check, reset, sizes).
+// layer over cuda/executor.h) and the executor's state (check, reset, sizes).
 //
 // Two bindings of the same collective:
 //   full (JAX_BLINK_BINDING, target "jax_blink_collective"): operand, rank, group and every
 //     attribute (program, op, comm_id, timeout_ms, host_share) on every call;
 //   light (JAX_BLINK_LITE_BINDING, "jax_blink_collective_lite"): operand, rank, group and the
 //     comm_id; the rest was registered once for that comm_id at lowering (register_call_site).
-//     Issue 17 measured XLA's decoding of the full binding at ~0.3 us per call (the no-op rows of
-//     benchmarks/xla_call_overhead.py), which XLA pays on every call whatever the handler does.
+//     XLA decodes a binding on every call whatever the handler does, and the full binding's
+//     decoding is a measurable share of a small call (benchmarks/NOTES.md, change 8).
 //     jax_blink lowers GPU calls of one process to it (collectives._light_binding).
 // Handler, per call (the fast path: no allocation, no host synchronisation, no lock):
 //   dtype/shape checks; the device's error record (a read of pinned host memory): a kernel on
@@ -44,9 +44,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda_executor.h"
-#include "cuda_ipc.h"
-#include "ffi_binding.h"
+#include "cuda/executor.h"
+#include "cuda/gpu_binding.h"
+#include "cuda/ipc.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -87,8 +87,7 @@ const char* FfiDtypeName(ffi::DataType dt) {
 // What a lowered call site fixes (its program, op, time budget, host share), registered from
 // Python at lowering (register_call_site) and keyed by its comm_id, which is unique per call site
 // in a process: the light binding (JAX_BLINK_LITE_BINDING) then carries the comm_id alone, and XLA
-// does not decode the program span and four more attributes on every call (issue 17: ~0.3 us of
-// the full binding's cost). Registered once, never changed: the "program differs" check is made
+// does not decode the program span and four more attributes on every call. Registered once, never changed: the "program differs" check is made
 // here, at registration, instead of on every call.
 struct CallSite {
   std::vector<int32_t> program;
@@ -300,55 +299,14 @@ ffi::Error ExecuteLiteGraph(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   return ExecuteLite(stream, device, x, rank, group, out, comm_id, true);
 }
 
-// The measuring stick: the same binding, no work (the caller aliases the result to x). What a
-// chain of these costs per call is XLA's own price for an FFI custom call (benchmarks/
-// xla_call_overhead.py), to set against our handler plus its kernel launch.
-ffi::Error NoOp(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                ffi::Result<ffi::AnyBuffer>, ffi::Span<const int32_t>, int32_t, int64_t, int64_t, float) {
-  return ffi::Error::Success();
-}
-
-// The same with the least binding XLA allows (one operand, one result, no context, no attributes):
-// what of XLA's price is the binding's (decoding) and what is the thunk's.
-ffi::Error NoOpBare(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
-
-// The light binding (JAX_BLINK_LITE_BINDING), no work.
-ffi::Error NoOpLite(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
-                    ffi::Result<ffi::AnyBuffer>, int64_t) {
-  return ffi::Error::Success();
-}
-
-// The light binding without the rank and group operands (JAX_BLINK_MIN_BINDING): what dropping
-// them would save, where the device ordinal could name the rank (not done: see NOTES.md change 8).
-ffi::Error NoOpMin(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, int64_t) {
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-#define JAX_BLINK_GPU_CONTEXTS \
-  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>().Ctx<xla::ffi::DeviceOrdinal>()
-
-#define JAX_BLINK_BINDING JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS JAX_BLINK_CALL_ATTRS
-
-// The light binding: what a call site fixes is registered by comm_id (register_call_site).
-#define JAX_BLINK_LITE_BINDING JAX_BLINK_GPU_CONTEXTS JAX_BLINK_OPERANDS.Attr<int64_t>("comm_id")
-
-// A measuring stick only: the light binding less the rank and group operands.
-#define JAX_BLINK_MIN_BINDING \
-  JAX_BLINK_GPU_CONTEXTS.Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>().Attr<int64_t>("comm_id")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCuda, ExecuteDefault, JAX_BLINK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveLiteCuda, ExecuteLiteDefault, JAX_BLINK_LITE_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveLiteCudaGraph, ExecuteLiteGraph, JAX_BLINK_LITE_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpLiteCuda, NoOpLite, JAX_BLINK_LITE_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpMinCuda, NoOpMin, JAX_BLINK_MIN_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkCollectiveCudaGraph, ExecuteGraph, JAX_BLINK_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpCuda, NoOp, JAX_BLINK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkNoOpBareCuda, NoOpBare,
-                              xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Ret<xla::ffi::AnyBuffer>());
 
 NB_MODULE(_blink_cuda, m) {
   m.doc() = "jax_blink CUDA executor: the FFI handler of 'jax_blink_collective' for GPUs (peer access).";
@@ -393,20 +351,14 @@ NB_MODULE(_blink_cuda, m) {
         // The light binding (register_call_site first): the plain or the command-buffer handler.
         d["jax_blink_collective_lite"] = nb::capsule(reinterpret_cast<void*>(
             command_buffers ? &JaxBlinkCollectiveLiteCudaGraph : &JaxBlinkCollectiveLiteCuda));
-        d["jax_blink_noop"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpCuda));
-        d["jax_blink_noop_bare"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpBareCuda));
-        d["jax_blink_noop_lite"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpLiteCuda));
-        d["jax_blink_noop_min"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkNoOpMinCuda));
-        // Every collective across processes through CUDA IPC (cuda_ipc.h).
+        // Every collective across processes through CUDA IPC (cuda/ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         return d;
       },
       nb::arg("command_buffers") = false,
       "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(..., platform='CUDA'). "
       "command_buffers=True gives the handler that claims the command-buffer trait (its first call per "
-      "call site must run uncaptured). 'jax_blink_noop' has the same binding and does nothing (alias its "
-      "result to x): XLA's own cost per FFI call, for benchmarks/xla_call_overhead.py; 'jax_blink_noop_bare' "
-      "the same with one operand, one result and no attributes.");
+      "call site must run uncaptured).");
 
   m.def(
       "register_call_site",

@@ -82,6 +82,7 @@ def runs_executor(fn: Callable, x) -> bool:
 # ------------------------------------------------------------------------------ 1. the paper
 def paper_lines() -> list[str]:
     """The paper's comparison on a few allocations, through the model."""
+    from jax_blink.planning import forms
     from jax_blink.planning.topology import Topology
     from jax_blink.tools.simulate import compare
 
@@ -90,16 +91,22 @@ def paper_lines() -> list[str]:
            "   Blink's trees against NCCL-style rings on allocations of the paper's machines; algbw = GB/s "
            "per GPU (bytes of one GPU's buffer / time).",
            f"   {'machine':<7} {'GPUs':<16} {'collective':<10} {'trees':>14} {'NCCL-style rings':>22} "
-           f"{'rate x':>7} {'time x':>7}"]
+           f"{'rate x':>7} {'time x':>7}   jax_blink's all-reduce form (time x)"]
     for preset, devs, coll in PAPER_CASES:
         sub = Topology.preset(preset).subset(list(devs))
         c = compare(sub, coll, PAPER_BYTES, root=None if coll == "allreduce" else devs[0])
         trees = f"{c['num_trees']} @ {c['tree_algbw']:.4g} GB/s"
         rings = f"{c['num_rings']} {c['ring_kind']} @ {c['ring_algbw']:.4g} GB/s"
+        chosen = ""
+        if coll == "allreduce":  # the planner runs the fastest form by the model, rings among them
+            f = forms.choose(sub, PAPER_BYTES).form
+            chosen = f"   {f.name} ({c['ring_time_us'] / f.time_us:.2f}x)"
         out.append(f"   {_MACHINE[preset]:<7} {','.join(map(str, devs)):<16} {coll:<10} {trees:>14} "
-                   f"{rings:>22} {c['rate_speedup']:>6.2f}x {c['speedup']:>6.2f}x")
+                   f"{rings:>22} {c['rate_speedup']:>6.2f}x {c['speedup']:>6.2f}x{chosen}")
     out += ["   rate x: trees' algbw / rings' algbw (large sizes); time x: ring time / tree time at 500 MB "
             "(each at its best chunk). Rings on 'pcie': the allocation's NVLinks hold no ring, NCCL takes PCIe.",
+            "   jax_blink's all-reduce form: the one its planner runs there, the fastest by the same model of "
+            "Blink's trees, shallower trees, reduce-scatter + all-gather and rings (never below rings).",
             "   The paper MEASURED on DGX-1V: broadcast up to 8x, all-reduce up to 6x, about 2x on average. "
             "Where every GPU is linked alike (all 8), trees and rings tie.",
             "   Every allocation of 3-8 GPUs: python benchmarks/paper_comparison.py (in a checkout); one: "

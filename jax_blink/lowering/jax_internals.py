@@ -3,7 +3,7 @@
 The switch replaces the lowering rules of jax's collective primitives, so it must name those
 primitives, read and restore the table of registered rules, and read the axis context that a rule
 sees. None of that is public API. Each use below says what it is and where it lives; checked
-against jax 0.10.2 and jax's main branch of 2026-08 (0.11.1.dev, the source of 0.11.x).
+against jax 0.10.2, 0.11.2 and 0.12.0.1 (the CPU test suite on each; newest-jax.sh of issue 22).
 ``tests/unit/test_switch.py::test_jax_internals_are_where_the_switch_expects`` fails loudly if one moves.
 """
 from __future__ import annotations
@@ -270,3 +270,16 @@ def new_eqn(invars: list, outvars: list, prim, params: dict, effects, like):
 def is_var(atom) -> bool:
     """Whether a jaxpr atom is a variable (not a literal constant)."""
     return isinstance(atom, _core.Var)
+
+
+def compute_on_call():
+    """jax's function form of compute_on (``fn(f, compute_type=..., out_memory_spaces=...)``: ``f``
+    lowered as a call annotated with the compute type, e.g. "gpu_stream:1"), or None if this jax
+    lacks it. Public, experimental: jax.experimental.compute_on.compute_on2 in jax 0.10; jax 0.11
+    renamed it compute_on (same arguments) and removed the context manager of that name."""
+    import inspect
+    from jax.experimental import compute_on as _compute_on
+    fn = getattr(_compute_on, "compute_on2", None) or getattr(_compute_on, "compute_on", None)
+    if fn is None or "out_memory_spaces" not in inspect.signature(fn).parameters:
+        return None  # compute_on(compute_type) alone is the context manager: not this form
+    return fn

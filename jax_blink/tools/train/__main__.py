@@ -215,11 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{devices[0].platform} devices", file=sys.stderr)
         return 2
     if args.stream is not None:
-        try:
-            from jax.experimental.compute_on import compute_on2  # noqa: F401
-        except ImportError:
-            print(f"{PROG}: --stream {args.stream}: needs jax.experimental.compute_on.compute_on2, which "
-                  f"jax {jax.__version__} does not have", file=sys.stderr)
+        from jax_blink.lowering import jax_internals as _jax_internals
+        if _jax_internals.compute_on_call() is None:
+            print(f"{PROG}: --stream {args.stream}: needs jax.experimental.compute_on.compute_on2 (compute_on "
+                  f"from jax 0.11), which jax {jax.__version__} does not have", file=sys.stderr)
             return 2
     if args.stream is not None and args.collective != "blink":
         print(f"{PROG}: --stream applies to --collective blink (the switch lowers inside jax's own rules)",

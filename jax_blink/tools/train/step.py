@@ -28,6 +28,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_blink.lowering import jax_internals as _jax_internals
 from jax_blink.api import buckets as _buckets
 from jax_blink.api.collectives import all_reduce
 from jax_blink.options.settings import override
@@ -50,22 +51,21 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
     """The sum over ``axis`` of one bucket, as ``mode`` computes it.
 
     ``stream`` (``blink`` only, experimental): lower each call inside
-    ``compute_on2(compute_type="gpu_stream:<stream>")``, which XLA:GPU runs as an asynchronous
-    call on that stream (``--xla_gpu_experimental_stream_annotation``), so that it may overlap the
-    computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
+    ``compute_on2(compute_type="gpu_stream:<stream>")`` (named ``compute_on`` from jax 0.11), which
+    XLA:GPU runs as an asynchronous call on that stream (``--xla_gpu_experimental_stream_annotation``),
+    so that it may overlap the computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
     if stream is not None and mode != "blink":
         raise ValueError(f"stream= applies to the blink mode only, not {mode!r}")
     if mode in ("psum", "switch"):
         return lambda buf: lax.psum(buf, axis)
     if mode == "blink" and stream is not None:
-        try:
-            from jax.experimental.compute_on import compute_on2
-        except ImportError:
+        compute_on = _jax_internals.compute_on_call()
+        if compute_on is None:
             raise NotImplementedError(
-                f"stream= needs jax.experimental.compute_on.compute_on2, which jax {jax.__version__} does not "
-                "have (jax 0.10.2 does); run without a stream annotation") from None
-        on_stream = compute_on2(lambda buf: all_reduce(buf, axis), compute_type=f"gpu_stream:{stream}",
-                                out_memory_spaces=jax.memory.Space.Device)
+                f"stream= needs jax.experimental.compute_on.compute_on2 (compute_on from jax 0.11), which "
+                f"jax {jax.__version__} does not have; run without a stream annotation")
+        on_stream = compute_on(lambda buf: all_reduce(buf, axis), compute_type=f"gpu_stream:{stream}",
+                               out_memory_spaces=jax.memory.Space.Device)
         return on_stream
     if mode == "blink":
         return lambda buf: all_reduce(buf, axis)

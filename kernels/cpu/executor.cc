@@ -10,9 +10,10 @@
 // it a comm-wide number g. A communicator holds, per rank, a slot (this call's in/out pointers, a
 // `done` word) and per tree two progress words, reduce and broadcast, each (g << 32 | chunks
 // done). A rank publishes a word only once the data it stands for is in place (in its `out`, or
-// its `in`, see RunSchedule); a waiter needs the high half to equal its own g, so words of another
-// call never satisfy it. Peers read those buffers directly (one process, host pointers are
-// shared), as GPUs read a peer's buffer under peer access; RunSchedule says which buffers whom.
+// its `in`); a waiter needs the high half to equal its own g, so words of another call never
+// satisfy it. Peers read those buffers directly (one process, host pointers are shared), as GPUs
+// read a peer's buffer under peer access. The walk itself, and which buffers whom, is shared with
+// the shared-memory executor: RunSteps in cpu/schedule_walk.h.
 //
 // Waits sleep on the watched rank's mutex and condition variable (no busy spinning: up to 32 host
 // devices share 2 cores); a publisher stores its word without a lock and takes the mutex to notify
@@ -43,10 +44,10 @@
 // ## When a rank may return
 // XLA may reuse a buffer once the call returns, so a rank returns only when no peer will read its
 // buffers any more: each rank publishes `done` after its last read of a peer, and waits for the
-// `done` of every peer that reads its own (Comm::readers_of: the parents in trees with a reduce
-// phase, every rank in trees it roots with a broadcast phase). `in` may alias `out` (donation):
+// `done` of every peer that reads its own (ScheduleLayout::readers_of: the parents in trees with a
+// reduce phase, every rank in trees it roots with a broadcast phase). `in` may alias `out` (donation):
 // each element of `out` is written from `in`, the children or the root at the same index only,
-// and only after the peers that read that element of `in` have read it (RunSchedule).
+// and only after the peers that read that element of `in` have read it (RunSteps).
 //
 // ## Faults: deadlines, failure, and getting back to work
 // A wait past its deadline marks its call (the CallRec of (RunId, k)) failed, keeping the first
@@ -96,6 +97,7 @@
 #include "common/ffi_binding.h"
 #include "common/program.h"
 #include "cpu/reduce.h"
+#include "cpu/schedule_walk.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -107,7 +109,8 @@ using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with 
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kDefaultTimeoutMs = 10000;
-constexpr int kReduce = 0, kBroadcast = 1;
+using cpu_walk::kBroadcast;
+using cpu_walk::kReduce;
 constexpr int kDone = -2;  // Call::Wait's tree for a peer's `done` word
 
 // ---------------------------------------------------------------------------------------------
@@ -158,10 +161,7 @@ struct Comm {
   ffi::DataType dtype = ffi::DataType::INVALID;
   int32_t op = 0;
   int nranks = 0, ntrees = 0;
-  std::vector<int32_t> child_begin;  // children of r in tree t: child_list[child_begin[t*n+r] ..
-  std::vector<int32_t> child_list;   //                                      child_begin[t*n+r+1])
-  std::vector<std::pair<int64_t, int64_t>> gaps;  // (offset, len) outside every segment
-  std::vector<std::vector<int32_t>> readers_of;   // per rank: the peers that read its buffers
+  cpu_walk::ScheduleLayout layout;  // children, gaps, who reads whose buffers
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<std::atomic<uint64_t>[]> progress;  // [(r * ntrees + t) * 2 + phase]
 
@@ -189,45 +189,7 @@ struct Comm {
     op = the_op;
     nranks = program.nranks();
     ntrees = program.ntrees();
-    child_begin.assign(static_cast<size_t>(ntrees) * nranks + 1, 0);
-    child_list.assign(static_cast<size_t>(ntrees) * nranks, 0);
-    // Counting sort by parent: children come out in ascending rank order.
-    for (int t = 0; t < ntrees; ++t) {
-      const TreeView& tv = program.tree(t);
-      for (int r = 0; r < nranks; ++r)
-        if (tv.parent[r] >= 0) ++child_begin[static_cast<size_t>(t) * nranks + tv.parent[r] + 1];
-    }
-    for (size_t i = 1; i < child_begin.size(); ++i) child_begin[i] += child_begin[i - 1];
-    std::vector<int32_t> fill(child_begin.begin(), child_begin.end() - 1);
-    for (int t = 0; t < ntrees; ++t) {
-      const TreeView& tv = program.tree(t);
-      for (int r = 0; r < nranks; ++r)
-        if (tv.parent[r] >= 0) child_list[fill[static_cast<size_t>(t) * nranks + tv.parent[r]]++] = r;
-    }
-    gaps.clear();
-    int64_t at = 0;
-    for (int t : program.trees_by_offset()) {
-      const TreeView& tv = program.tree(t);
-      if (tv.seg_offset > at) gaps.emplace_back(at, tv.seg_offset - at);
-      at = tv.seg_offset + tv.seg_len;
-    }
-    if (program.total_elems() > at) gaps.emplace_back(at, program.total_elems() - at);
-    // Who reads whose buffers (see RunSchedule): the parent reads a non-root's in a tree with a
-    // reduce phase, every non-root reads the root's in a tree with a broadcast phase.
-    readers_of.assign(nranks, {});
-    for (int t = 0; t < ntrees; ++t) {
-      const TreeView& tv = program.tree(t);
-      if (tv.num_chunks(program.chunk_elems()) == 0) continue;
-      for (int r = 0; r < nranks; ++r) {
-        if (r == tv.root) continue;
-        if (tv.phases & kPhaseReduce) readers_of[r].push_back(tv.parent[r]);
-        if (tv.phases & kPhaseBroadcast) readers_of[tv.root].push_back(r);
-      }
-    }
-    for (auto& v : readers_of) {
-      std::sort(v.begin(), v.end());
-      v.erase(std::unique(v.begin(), v.end()), v.end());
-    }
+    layout.Build(program);
     slots.reset(new Slot[nranks]);
     const size_t nwords = static_cast<size_t>(nranks) * ntrees * 2;
     progress.reset(new std::atomic<uint64_t>[nwords]);
@@ -372,6 +334,17 @@ class Call {
     }
   }
 
+  // cpu_walk's policy: one process, so peers read this rank's operand where XLA put it.
+  static constexpr bool kOperandShared = true;
+  // A peer's reduce result: a leaf's is its operand, any other rank's its `out`.
+  const char* Value(int peer, int /*t*/, bool leaf) const {
+    const Slot& s = c_.slots[peer];
+    return static_cast<const char*>(leaf ? s.in.load(std::memory_order_relaxed) : s.out.load(std::memory_order_relaxed));
+  }
+  // A tree's final value: the root's `out` after a reduce phase, else its operand.
+  const char* RootValue(int root, bool reduced) const { return Value(root, -1, !reduced); }
+  bool WaitDone(int peer) { return Wait(peer, kDone, 0, 0); }
+
   // Chunks of (t, phase) that `peer` has finished in this call (after a successful Wait on it).
   uint64_t Progress(int peer, int t, int phase) const {
     const uint64_t v = c_.word(peer, t, phase).load(std::memory_order_acquire);
@@ -437,122 +410,6 @@ class Call {
 };
 
 ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
-
-// Runs the schedule for one rank (the caller has entered the call).
-//
-// On host devices every rank can read every peer's buffers, which this uses where the program's
-// semantics allow it (the results are the same bits as a hop-by-hop run):
-// - A broadcast copies from the tree's root, not from the parent: every rank's value is the
-//   root's. From the root's `in` in a broadcast-only tree (ready when the root arrives), from its
-//   `out` chunk by chunk once the root has reduced that chunk otherwise. The depth of a tree (the
-//   planner's trees for host devices are up to n-1 hops long) costs no broadcast latency.
-// - A leaf's reduce result is its own `in`: its parent reads that `in` directly, so a leaf does not
-//   copy it to `out` first, and it publishes its reduce word as soon as it arrives.
-// Words that need only this rank's operand are published at entry, before any wait.
-// Who reads whose buffers: its parent reads a leaf's `in` and a non-leaf's `out` during the reduce
-// phase; every non-root reads the root's `in` (broadcast-only) or `out` during the broadcast
-// phase (Comm::readers_of). Ranks write `out` only at indices whose readers are done with them: a
-// non-root's broadcast writes chunk c after the root published it, which is after the parent read
-// chunk c of this rank's `in` or `out` (the root reduces a chunk after its children did), and `in`
-// may be `out` (donation). A rank returns after its readers said they are done (`done` words).
-bool RunSchedule(Comm& c, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
-                 char* out) {
-  const Program& p = c.program;
-  const int64_t ce = p.chunk_elems();
-  const bool alias = in == out;
-  auto nkids = [&](int t, int r) {
-    const size_t ci = static_cast<size_t>(t) * c.nranks + r;
-    return c.child_begin[ci + 1] - c.child_begin[ci];
-  };
-  // At entry: the words whose data is this rank's `in`.
-  for (int t = 0; t < c.ntrees; ++t) {
-    const TreeView& tv = p.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    if (tv.root == rank && tv.phases == kPhaseBroadcast) call.Publish(t, kBroadcast, nch);
-    if (tv.root != rank && (tv.phases & kPhaseReduce) && nkids(t, rank) == 0) call.Publish(t, kReduce, nch);
-  }
-  if (!alias)
-    for (const auto& [off, len] : c.gaps) std::memcpy(out + off * esize, in + off * esize, len * esize);
-
-  thread_local std::vector<const void*> kid_ptrs;
-  if (kid_ptrs.size() < static_cast<size_t>(c.nranks)) kid_ptrs.resize(c.nranks);
-
-  for (int t = 0; t < c.ntrees; ++t) {
-    const TreeView& tv = p.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    const size_t ci = static_cast<size_t>(t) * c.nranks + rank;
-    const int32_t* kids = c.child_list.data() + c.child_begin[ci];
-    const int nk = c.child_begin[ci + 1] - c.child_begin[ci];
-    const bool root = tv.root == rank;
-    const int64_t seg_begin = tv.seg_offset * static_cast<int64_t>(esize);
-    const int64_t seg_bytes = tv.seg_len * static_cast<int64_t>(esize);
-
-    if (tv.phases & kPhaseReduce) {
-      if (nk == 0) {
-        // A leaf (published at entry); its `out` holds its `in` where no broadcast follows.
-        if (root || !(tv.phases & kPhaseBroadcast)) {
-          if (!alias) std::memcpy(out + seg_begin, in + seg_begin, seg_bytes);
-          if (root) {
-            call.Publish(t, kReduce, nch);
-            if (tv.phases & kPhaseBroadcast) call.Publish(t, kBroadcast, nch);
-          }
-        }
-      } else {
-        for (int64_t ch = 0; ch < nch; ++ch) {
-          const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, tv.seg_offset + tv.seg_len - off);
-          for (int k = 0; k < nk; ++k)
-            if (!call.Wait(kids[k], t, kReduce, ch)) return false;
-          // The kids' buffers of this call (published by the words just waited for): a leaf kid's
-          // value is its `in`, any other kid's its `out`.
-          for (int k = 0; k < nk; ++k)
-            kid_ptrs[k] = static_cast<const char*>(
-                              nkids(t, kids[k]) == 0 ? c.slots[kids[k]].in.load(std::memory_order_relaxed)
-                                                     : c.slots[kids[k]].out.load(std::memory_order_relaxed)) +
-                          off * esize;
-          if (!call.BeginRead(kids, nk)) return false;
-          reduce(out + off * esize, in + off * esize, kid_ptrs.data(), nk, n);
-          call.EndRead(kids, nk);
-          call.Publish(t, kReduce, ch + 1);
-          // The root's broadcast phase has nothing to do: let the others copy at once.
-          if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, ch + 1);
-        }
-      }
-    }
-    if (tv.phases & kPhaseBroadcast) {
-      if (root) {
-        // Broadcast only: peers read the root's `in` (published at entry); `out` gets it too.
-        if (!(tv.phases & kPhaseReduce) && !alias) std::memcpy(out + seg_begin, in + seg_begin, seg_bytes);
-      } else {
-        const int32_t from[1] = {tv.root};
-        // Copy as much as the root has ready in one piece (all of it, in a broadcast-only tree).
-        for (int64_t ch = 0; ch < nch;) {
-          if (!call.Wait(tv.root, t, kBroadcast, ch)) return false;
-          const char* src = static_cast<const char*>(  // the root's buffer of this call
-              (tv.phases & kPhaseReduce) ? c.slots[tv.root].out.load(std::memory_order_relaxed)
-                                         : c.slots[tv.root].in.load(std::memory_order_relaxed));
-          const uint64_t ready = call.Progress(tv.root, t, kBroadcast);
-          const int64_t upto = std::min<int64_t>(nch, static_cast<int64_t>(ready));
-          const int64_t off = tv.seg_offset + ch * ce;
-          const int64_t end = std::min(tv.seg_offset + tv.seg_len, tv.seg_offset + upto * ce);
-          if (!call.BeginRead(from, 1)) return false;
-          std::memcpy(out + off * esize, src + off * esize, (end - off) * esize);
-          call.EndRead(from, 1);
-          ch = upto;
-        }
-      }
-    }
-  }
-  // Exit: nobody may still read this rank's buffers. Every rank publishes `done` once it has read
-  // all it reads, and waits for the `done` of each peer that reads its own (Comm::readers_of). No
-  // deadlock: a rank publishes every word of its schedule before it reaches its exit, so every
-  // schedule finishes (the order argument above) and every rank publishes `done`.
-  call.PublishDone();
-  for (int32_t peer : c.readers_of[rank])
-    if (!call.Wait(peer, kDone, 0, 0)) return false;
-  return true;
-}
 
 ffi::Error Execute(int32_t device, ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> out,
@@ -653,8 +510,10 @@ ffi::Error Execute(int32_t device, ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer
 
   CallRec& rec = it->second;
   Call call(c, rec, rank, device, k, timeout_ms);
-  bool ok = RunSchedule(c, call, rank, reduce, ffi::ByteWidth(dtype),
-                        static_cast<const char*>(x.untyped_data()), static_cast<char*>(out->untyped_data()));
+  // The schedule (cpu/schedule_walk.h), its result in `out`; peers read this rank's `in` and `out`.
+  bool ok = cpu_walk::RunSteps(c.program, c.layout, call, rank, reduce, ffi::ByteWidth(dtype),
+                               static_cast<const char*>(x.untyped_data()), static_cast<char*>(out->untyped_data())) &&
+            cpu_walk::WaitForReaders(c.program, c.layout, call, rank);
   std::string error = call.error();
   ffi::ErrorCode code = call.code();
   if (!ok) {

@@ -7,9 +7,11 @@
 // (jax_blink/distributed.py), so a segment of another job, or of a crashed earlier job, is never
 // opened. Layout: a header (magic, the program's hash, dtype, op, sizes, the number of ranks
 // attached, the first failure), one record per rank (attached, process, pid, device, futex epoch,
-// waiters, calls done), the progress words (nranks x ntrees x 2, as in cpu/executor.cc) and one
-// staging area per rank (the operand's size). Every rank computes its result in its own staging
-// area, peers read it there, and the rank copies it to XLA's result buffer at the end.
+// waiters, calls done), the progress words (nranks x ntrees x 2, as in
+// cpu/executor.cc) and one staging area per rank (the operand's size). Every rank computes its
+// result in its own staging area, peers read it there, and the rank copies it to XLA's result
+// buffer at the end. The walk is the in-process executor's (cpu/schedule_walk.h) with the staging
+// area as a rank's own buffer: a leaf copies its operand there first, a broadcast reads the root's.
 //
 // ## Set-up (a rank's first call)
 // The first rank to arrive creates the segment (O_CREAT | O_EXCL, mode 0600), sizes it, fills the
@@ -26,7 +28,7 @@
 // Calls of one communicator pair by their number g on each rank (RunId is per process, so it
 // cannot pair calls across processes): rank r's g-th call meets its peers' g-th call. Progress
 // words are (g << 32 | chunks done), stored with release after the chunk is in the staging area;
-// a waiter needs the high half to equal its own g. The same order of steps as cpu/executor.cc
+// a waiter needs the high half to equal its own g. The same steps as cpu/executor.cc, one walk
 // (trees in order; per tree all reduce chunks, then all broadcast chunks; then the exit waits), so
 // the same argument rules out deadlock, and a rank starts its next call (overwriting its staging
 // area) only after every peer that reads it has finished reading. Waits sleep on a futex (the
@@ -66,6 +68,7 @@
 #include "common/ffi_binding.h"
 #include "common/program.h"
 #include "cpu/reduce.h"
+#include "cpu/schedule_walk.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,7 +82,8 @@ using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMagic = 0x314b4e494c42584aULL;  // "JXBLINK1"
 constexpr uint32_t kLayoutVersion = 1;
 constexpr int64_t kDefaultTimeoutMs = 10000;
-constexpr int kReduce = 0, kBroadcast = 1;
+using cpu_walk::kBroadcast;
+using cpu_walk::kReduce;
 constexpr size_t kAlign = 64;
 constexpr int64_t kSliceMs = 100;  // longest sleep between checks that the watched peer lives
 
@@ -145,8 +149,7 @@ struct Segment {
   std::vector<int32_t> words;
   Program program;
   int nranks = 0, ntrees = 0;
-  std::vector<int32_t> child_begin, child_list;
-  std::vector<std::pair<int64_t, int64_t>> gaps;
+  cpu_walk::ScheduleLayout layout;  // children, gaps, who reads whose staging area
   std::vector<int32_t> rank_process, rank_device;  // from the lowering ([group * n + r]), may be empty
   std::vector<char> attached_here;                 // ranks this process attached
 
@@ -220,26 +223,7 @@ struct Segment {
     if (!err.empty()) return err;
     nranks = program.nranks();
     ntrees = program.ntrees();
-    child_begin.assign(static_cast<size_t>(ntrees) * nranks + 1, 0);
-    child_list.assign(static_cast<size_t>(ntrees) * nranks, 0);
-    for (int t = 0; t < ntrees; ++t)
-      for (int r = 0; r < nranks; ++r)
-        if (program.tree(t).parent[r] >= 0)
-          ++child_begin[static_cast<size_t>(t) * nranks + program.tree(t).parent[r] + 1];
-    for (size_t i = 1; i < child_begin.size(); ++i) child_begin[i] += child_begin[i - 1];
-    std::vector<int32_t> fill(child_begin.begin(), child_begin.end() - 1);
-    for (int t = 0; t < ntrees; ++t)
-      for (int r = 0; r < nranks; ++r)
-        if (program.tree(t).parent[r] >= 0)
-          child_list[fill[static_cast<size_t>(t) * nranks + program.tree(t).parent[r]]++] = r;
-    gaps.clear();
-    int64_t at = 0;
-    for (int t : program.trees_by_offset()) {
-      const TreeView& tv = program.tree(t);
-      if (tv.seg_offset > at) gaps.emplace_back(at, tv.seg_offset - at);
-      at = tv.seg_offset + tv.seg_len;
-    }
-    if (program.total_elems() > at) gaps.emplace_back(at, program.total_elems() - at);
+    layout.Build(program);
     attached_here.assign(nranks, 0);
     rank_process.assign(procs.begin(), procs.end());
     rank_device.assign(devs.begin(), devs.end());
@@ -384,8 +368,7 @@ class Call {
       const auto now = Clock::now();
       if (ProcessGone(pr.pid)) {
         error_ = Who() + ": the process of " + s_.RankName(peer) + " (pid " + std::to_string(pr.pid) +
-                 ") has exited while this rank waited for it in tree " + std::to_string(t) +
-                 " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) + "). " + Absent() +
+                 ") has exited while this rank waited for it " + Step(t, phase, chunk) + ". " + Absent() +
                  "This collective fails on every rank from now on.";
         error_ = s_.Fail(error_);
         return false;
@@ -393,9 +376,8 @@ class Call {
       if (now >= deadline) {
         char secs[32];
         std::snprintf(secs, sizeof secs, "%.1f", std::chrono::duration<double>(now - start).count());
-        error_ = Who() + " waited " + secs + " s for " + s_.RankName(peer) + " in tree " +
-                 std::to_string(t) + " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) +
-                 "). " + Absent() + "This collective fails on every rank from now on.";
+        error_ = Who() + " waited " + secs + " s for " + s_.RankName(peer) + " " + Step(t, phase, chunk) +
+                 ". " + Absent() + "This collective fails on every rank from now on.";
         error_ = s_.Fail(error_);
         return false;
       }
@@ -416,6 +398,21 @@ class Call {
     me.epoch.fetch_add(1);
     if (me.waiters.load() > 0) FutexWakeAll(&me.epoch);
   }
+
+  // cpu_walk's policy: peers in other processes read only the segment, so every rank's values,
+  // its operand's included, are in its staging area.
+  static constexpr bool kOperandShared = false;
+  const char* Value(int peer, int /*t*/, bool /*leaf*/) { return s_.staging(peer); }
+  const char* RootValue(int root, bool /*reduced*/) { return s_.staging(root); }
+  // Chunks of (t, phase) that `peer` has finished in this call (after a successful Wait on it).
+  uint64_t Progress(int peer, int t, int phase) const {
+    const uint64_t v = s_.word(peer, t, phase).load(std::memory_order_acquire);
+    return (v >> 32) == g_ ? (v & 0xffffffffu) : 0;
+  }
+  // A failed communicator keeps its mapping (no call runs on it again), so a copy from a peer's
+  // staging area needs no bracket.
+  bool BeginRead(const int32_t*, int) { return true; }
+  void EndRead(const int32_t*, int) {}
 
   // Which ranks never started this call, and which processes have exited: who to blame.
   std::string Absent() const {
@@ -441,86 +438,15 @@ class Call {
 
  private:
   static const char* PhaseName(int phase) { return phase == kReduce ? "reduce" : "broadcast"; }
+  static std::string Step(int t, int phase, int64_t chunk) {  // what a wait was for, in a message
+    return "in tree " + std::to_string(t) + " chunk " + std::to_string(chunk) + " (" + PhaseName(phase) + ")";
+  }
   Segment& s_;
   const int rank_;
   const uint32_t g_;
   const int64_t timeout_;
   std::string error_;
 };
-
-// Runs the schedule for one rank into its staging area `st` (cpu/executor.cc's RunSchedule with
-// peers' buffers in the segment).
-bool RunSchedule(Segment& s, Call& call, int rank, ReduceFn reduce, size_t esize, const char* in,
-                 char* st) {
-  const Program& p = s.program;
-  const int64_t ce = p.chunk_elems();
-  for (const auto& [off, len] : s.gaps) std::memcpy(st + off * esize, in + off * esize, len * esize);
-  thread_local std::vector<const void*> kid_ptrs;
-  if (kid_ptrs.size() < static_cast<size_t>(s.nranks)) kid_ptrs.resize(s.nranks);
-
-  for (int t = 0; t < s.ntrees; ++t) {
-    const TreeView& tv = p.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    const size_t ci = static_cast<size_t>(t) * s.nranks + rank;
-    const int32_t* kids = s.child_list.data() + s.child_begin[ci];
-    const int nk = s.child_begin[ci + 1] - s.child_begin[ci];
-    const bool root = tv.root == rank;
-    const int64_t seg_end = tv.seg_offset + tv.seg_len;
-    if (tv.phases & kPhaseReduce) {
-      for (int64_t ch = 0; ch < nch; ++ch) {
-        const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-        for (int k = 0; k < nk; ++k)
-          if (!call.Wait(kids[k], t, kReduce, ch)) return false;
-        if (nk == 0) {
-          std::memcpy(st + off * esize, in + off * esize, n * esize);
-        } else {
-          for (int k = 0; k < nk; ++k) kid_ptrs[k] = s.staging(kids[k]) + off * esize;
-          reduce(st + off * esize, in + off * esize, kid_ptrs.data(), nk, n);
-        }
-        call.Publish(t, kReduce, ch + 1);
-        if (root && (tv.phases & kPhaseBroadcast)) call.Publish(t, kBroadcast, ch + 1);
-      }
-    }
-    if (tv.phases & kPhaseBroadcast) {
-      if (root) {
-        if (!(tv.phases & kPhaseReduce))
-          for (int64_t ch = 0; ch < nch; ++ch) {
-            const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-            std::memcpy(st + off * esize, in + off * esize, n * esize);
-            call.Publish(t, kBroadcast, ch + 1);
-          }
-      } else {
-        const char* src = s.staging(tv.parent[rank]);
-        for (int64_t ch = 0; ch < nch; ++ch) {
-          const int64_t off = tv.seg_offset + ch * ce, n = std::min(ce, seg_end - off);
-          if (!call.Wait(tv.parent[rank], t, kBroadcast, ch)) return false;
-          std::memcpy(st + off * esize, src + off * esize, n * esize);
-          call.Publish(t, kBroadcast, ch + 1);
-        }
-      }
-    }
-  }
-  return true;
-}
-
-// Exit: nobody may still read this rank's staging area when it starts its next call.
-bool ExitWaits(Segment& s, Call& call, int rank) {
-  const int64_t ce = s.program.chunk_elems();
-  for (int t = 0; t < s.ntrees; ++t) {
-    const TreeView& tv = s.program.tree(t);
-    const int64_t nch = tv.num_chunks(ce);
-    if (nch == 0) continue;
-    if (tv.phases & kPhaseBroadcast) {
-      const size_t ci = static_cast<size_t>(t) * s.nranks + rank;
-      for (int32_t i = s.child_begin[ci]; i < s.child_begin[ci + 1]; ++i)
-        if (!call.Wait(s.child_list[i], t, kBroadcast, nch - 1)) return false;
-    } else if (tv.root != rank) {
-      if (!call.Wait(tv.parent[rank], t, kReduce, nch - 1)) return false;
-    }
-  }
-  return true;
-}
 
 ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
 
@@ -663,9 +589,11 @@ ffi::Error Execute(int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_
   s.in_flight.fetch_add(1);
   me.started.store(g);
   char* st = s.staging(rank);
-  bool ok = RunSchedule(s, call, rank, reduce, esize, static_cast<const char*>(x.untyped_data()), st);
+  // The schedule (cpu/schedule_walk.h) into this rank's staging area, where its peers read it.
+  bool ok = cpu_walk::RunSteps(s.program, s.layout, call, rank, reduce, esize,
+                               static_cast<const char*>(x.untyped_data()), st);
   if (ok) std::memcpy(out->untyped_data(), st, static_cast<size_t>(s.program.total_elems()) * esize);
-  ok = ok && ExitWaits(s, call, rank);
+  ok = ok && cpu_walk::WaitForReaders(s.program, s.layout, call, rank);
   if (ok) me.calls.store(g, std::memory_order_release);
   s.in_flight.fetch_sub(1);
   if (!ok) return Fail(ffi::ErrorCode::kDeadlineExceeded, call.error());

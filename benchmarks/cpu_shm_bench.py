@@ -29,19 +29,20 @@ def child(pid: int, a: argparse.Namespace, key: str, sizes: list[int]) -> None:
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jax_blink import Topology, _backends, collectives
+    from jax_blink import Topology
+    from jax_blink.lowering import backends as _backends, custom_call
 
     _backends.module("cpu").shm_set_job(key, pid)
     assert _backends.register("cpu")
     n = a.procs * a.local
-    topology = Topology.host(n)  
+    topology = Topology.host(n)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rank_process = np.repeat(np.arange(a.procs, dtype=np.int32), a.local)
     rank_device = np.arange(n, dtype=np.int32)
     rows = []
     for s, nbytes in enumerate(sizes):
         elems = nbytes // 4
-        program = collectives._program(topology, "allreduce", None, elems, 4, None, "exact")
+        program = custom_call.build_program(topology, "allreduce", None, elems, 4, None, "exact")
 
         def body(v, s=s, program=program):
             rank = (lax.axis_index("x") + pid * a.local).astype(jnp.int32)

@@ -14,9 +14,19 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parents[2]
-# What git tracks: a notebook left in the folder (a copy, a checkpoint) is no part of the repository.
-NOTEBOOKS = sorted(ROOT / p for p in subprocess.run(
-    ["git", "ls-files", "notebooks/*.ipynb"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split())
+
+
+def _tracked(pattern: str) -> list[Path]:
+    """What git tracks under ``pattern``; without git or a .git (a copied tree), the folder's files."""
+    try:
+        out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+        return sorted(ROOT / p for p in out)
+    except (OSError, subprocess.SubprocessError):
+        return sorted(ROOT.glob(pattern))
+
+
+NOTEBOOKS = _tracked("notebooks/*.ipynb")
 #: The notebooks that run collectives (01_trees plans and draws in the model only).
 RUN_COLLECTIVES = {"02_collectives.ipynb", "03_training.ipynb"}
 # Run after the notebook's own cells: the devices it got, and the CPU executor's communicators

@@ -6,7 +6,8 @@
 # Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
-# Knobs: TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
+# Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
+# builds faster), TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
 set -uo pipefail
@@ -17,6 +18,7 @@ for step in $STEPS; do  # every name checked before anything runs: a typo must n
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
+CUDA_ARCHS=${CUDA_ARCHS:-all}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/ortools ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,7 +31,7 @@ ST=${ST_BIN:-/tmp/selftest}
 ST_BUILD=/tmp/jax_blink_selftest_build
 compile_selftest() {
   { cmake -S . -B "$ST_BUILD" $(command -v ninja >/dev/null && echo -G Ninja) -DCMAKE_BUILD_TYPE=Release -DJAX_BLINK_CUDA=ON -DJAX_BLINK_BUILD_SELFTEST=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=native -DPython_EXECUTABLE="$(command -v python3)" \
+      -DJAX_BLINK_CUDA_ARCHS=native -DPython_EXECUTABLE="$(command -v python3)" \
     && cmake --build "$ST_BUILD" --target cuda_selftest && cp "$ST_BUILD/cuda_selftest" "$ST"; } \
     > "$OUT/selftest_build.log" 2>&1 || { tail -30 "$OUT/selftest_build.log"; }
 }
@@ -51,9 +53,11 @@ for step in $STEPS; do
       fi
       probes=OFF; [[ " $STEPS " == *" overhead "* ]] && probes=ON  # the benchmark's no-op handlers
       python3 -m pip install -q --no-build-isolation --no-deps -Ccmake.define.JAX_BLINK_CUDA=ON \
-        -Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=$probes -e . \
+        -Ccmake.define.JAX_BLINK_CUDA_ARCHS="$CUDA_ARCHS" -Ccmake.define.JAX_BLINK_BUILD_BENCH_PROBES=$probes -e . \
         > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-      python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log" ;;
+      python3 -c "import jax, jax_blink; print(jax.__version__, jax.devices(), jax_blink.backends())" 2>&1 | tee -a "$OUT/session.log"
+      python3 -c "from jax_blink import _blink_cuda as g; print('built for sm', g.built_architectures(), 'PTX', \
+g.ptx_architecture(), '| GPU 0:', g.device_problem(0) or 'the kernels load')" 2>&1 | tee -a "$OUT/session.log" ;;
     selftest|stbench)
       log "$step"
       build_selftest

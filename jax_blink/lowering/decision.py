@@ -138,7 +138,22 @@ def executor_problem(platform: str, what: str, n: int = 0, *, several_processes:
     if not _backends.register(platform):
         return f"no {platform} executor in this build"
     if platform == "gpu":
-        return peer_access_problem(n)
+        return architecture_problem(n) or peer_access_problem(n)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def architecture_problem(n: int) -> str | None:
+    """Which of the first ``n`` GPUs the CUDA executor's build cannot run on (no cubin or PTX for its
+    architecture): the executor's own message, naming the GPU, its compute capability, what the
+    build holds and the command that rebuilds it."""
+    mod = _backends.module("gpu")
+    if mod is None or not hasattr(mod, "device_problem"):
+        return None
+    for d in jax.devices("gpu")[:n]:
+        problem = mod.device_problem(d.local_hardware_id)
+        if problem:
+            return problem
     return None
 
 

@@ -64,7 +64,17 @@ def _executors() -> list[str]:
     mod = backends.module("gpu")
     archs = getattr(mod, "built_architectures", None)
     built = _try(lambda: ", ".join(f"sm_{a}" for a in archs())) if archs else "unknown (an older build)"
-    lines.append(f"CUDA executor  built, version {_try(mod.version)}, for {built}")
+    ptx = getattr(mod, "ptx_architecture", None)
+    if ptx is not None:
+        built += _try(lambda: f" + PTX of compute_{ptx()}")
+    lines.append(f"CUDA executor  built for {built}; {_try(mod.version)}")
+    if hasattr(mod, "device_problem"):
+        try:
+            for d in jax.devices("gpu"):
+                problem = mod.device_problem(d.local_hardware_id)
+                lines.append(f"GPU {d.local_hardware_id}: " + (problem or "the build runs on it"))
+        except RuntimeError:
+            pass  # no GPU visible to jax: the GPUs section says so
     return lines
 
 

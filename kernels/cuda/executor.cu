@@ -1502,6 +1502,18 @@ std::string CheckEnvironment() {
   return err;
 }
 
+std::string KernelImageProblem(int device) {
+  DeviceGuard guard;
+  JB_TRY("cudaSetDevice", cudaSetDevice(device));
+  // Loads the module on this device (lazily loaded modules load here): the fatbinary's cubins
+  // and PTX are matched against the device's architecture now, not deep inside a call.
+  cudaFuncAttributes attr;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, &one_rank_kernel);
+  if (e == cudaSuccess) return {};
+  cudaGetLastError();  // not sticky, but leave no error behind for the caller's next call
+  return CudaErr("loading the kernels (cudaFuncGetAttributes)", e);
+}
+
 const char* Version() {
   return "jax_blink CUDA executor 0.4.3 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "

@@ -147,4 +147,9 @@ bool ParseByteCount(const char* text, int64_t* out);
 
 const char* Version();
 
+// "" when this build's kernels load on `device`: CUDA finds a cubin for its architecture, or
+// JIT-compiles the PTX for a GPU newer than it. Else CUDA's error (no kernel image for the device,
+// or the device cannot be reached): what the module's device_problem() explains.
+std::string KernelImageProblem(int device);
+
 }  // namespace jax_blink::cuda

@@ -32,13 +32,16 @@
 //     registrations(command_buffers=True).
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <iterator>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -126,6 +129,46 @@ const CallSite* FindCallSite(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(g_call_sites_mu);
   auto it = g_call_sites.find(comm_id);
   return it == g_call_sites.end() ? nullptr : it->second.get();
+}
+
+// What this build holds for which GPUs: CMakeLists.txt resolves JAX_BLINK_CUDA_ARCHS and passes
+// the result here, so that the module can say it without a tool (cuobjdump) or a GPU.
+#if !defined(BLINK_CUBIN_ARCHS) || !defined(BLINK_PTX_ARCH) || !defined(BLINK_ARCHS_REQUESTED)
+#error "build through CMakeLists.txt: it defines BLINK_CUBIN_ARCHS, BLINK_PTX_ARCH and BLINK_ARCHS_REQUESTED"
+#endif
+constexpr int kCubinArchs[] = {BLINK_CUBIN_ARCHS};
+constexpr int kPtxArch = BLINK_PTX_ARCH;
+
+std::string BuiltFor() {  // "sm_75, sm_80, ... and PTX compute_120"
+  std::string s;
+  for (int a : kCubinArchs) s += (s.empty() ? "sm_" : ", sm_") + std::to_string(a);
+  return s + " and PTX compute_" + std::to_string(kPtxArch);
+}
+
+// Why this build's kernels cannot run on CUDA device `device`, or "" when they can: never a CUDA
+// "no kernel image" deep inside a collective's first call.
+std::string DeviceProblem(int device) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess)
+    return std::string("jax_blink: CUDA reports no usable GPU (cudaGetDeviceCount: ") + cudaGetErrorName(e) + ", " +
+           cudaGetErrorString(e) + ")";
+  if (device < 0 || device >= count)
+    return "jax_blink: no CUDA device " + std::to_string(device) + " (this process sees " + std::to_string(count) + ")";
+  cudaDeviceProp prop;
+  e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess)
+    return "jax_blink: cannot read the properties of CUDA device " + std::to_string(device) + " (" +
+           cudaGetErrorName(e) + ", " + cudaGetErrorString(e) + ")";
+  const std::string load = jbc::KernelImageProblem(device);
+  if (load.empty()) return {};
+  const std::string cc = std::to_string(prop.major) + std::to_string(prop.minor);
+  return "jax_blink: the CUDA executor cannot run on GPU " + std::to_string(device) + " (" + prop.name +
+         ", compute capability " + std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+         "): this build holds kernels for " + BuiltFor() + " (JAX_BLINK_CUDA_ARCHS=" + BLINK_ARCHS_REQUESTED +
+         "), none of which runs there [" + load + "]. Rebuild jax_blink for it from its source tree with a CUDA "
+         "compiler that supports sm_" + cc + ": pip install --no-build-isolation -Ccmake.define.JAX_BLINK_CUDA_ARCHS=" +
+         cc + " -e . (or =native on that machine)";
 }
 
 struct CacheEntry {
@@ -437,6 +480,29 @@ NB_MODULE(_blink_cuda, m) {
       "Free every communicator (registered with atexit; collectives set up again on their next call).");
 
   m.def("version", []() { return std::string(jbc::Version()); });
+
+  m.def(
+      "built_architectures", []() { return std::vector<int>(std::begin(kCubinArchs), std::end(kCubinArchs)); },
+      "The GPU architectures this build holds cubins for, ascending: [75, 80, 86, ...] (sm_75 ...).");
+  m.def(
+      "ptx_architecture", []() { return kPtxArch; },
+      "The architecture of the PTX this build holds (the newest of built_architectures()): a GPU newer "
+      "than every cubin JIT-compiles it at first use.");
+  m.def(
+      "architectures_requested", []() { return std::string(BLINK_ARCHS_REQUESTED); },
+      "JAX_BLINK_CUDA_ARCHS as the build was given it: 'all' (the default), 'native' or a list.");
+  m.def(
+      "device_problem",
+      [](int device) -> std::optional<std::string> {
+        std::string p = DeviceProblem(device);
+        if (p.empty()) return std::nullopt;
+        return p;
+      },
+      nb::arg("device"),
+      "None when this build's kernels run on CUDA device `device` (a cubin for its architecture, or the "
+      "PTX JIT-compiled for a newer GPU), else why not: the GPU's name and compute capability, the "
+      "architectures built and the command that rebuilds jax_blink for it (or that CUDA sees no such GPU). "
+      "Loads the kernels on that device.");
 
   m.def(
       "check_environment",

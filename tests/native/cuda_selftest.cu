@@ -2,7 +2,7 @@
 //
 // Build from the repository root, through CMake (the flags of the shipped executor; `native`: the
 // GPUs of this machine):
-//   cmake -S . -B /tmp/jb-selftest -DJAX_BLINK_BUILD_SELFTEST=ON -DJAX_BLINK_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native
+//   cmake -S . -B /tmp/jb-selftest -DJAX_BLINK_BUILD_SELFTEST=ON -DJAX_BLINK_CUDA=ON -DJAX_BLINK_CUDA_ARCHS=native
 //   cmake --build /tmp/jb-selftest --target cuda_selftest && /tmp/jb-selftest/cuda_selftest
 // or with nvcc alone (one line):
 //   nvcc -std=c++17 -O3 -arch=native -lineinfo -Ikernels -o /tmp/cuda_selftest tests/native/cuda_selftest.cu kernels/cuda/executor.cu

@@ -213,11 +213,17 @@ def cited_paths(text: str, doc: Path) -> list[tuple[str, list[Path]]]:
     return out
 
 
+#: Folders that commands in the docs create (outputs, not sources): citing them is no broken link.
+_OUTPUTS = ("docs/_build",)
+
+
 def _missing(cited: list[tuple[str, list[Path]]]) -> list[str]:
     bad = []
     for word, paths in cited:
         for p in paths:
             rel = p.relative_to(ROOT) if p.is_relative_to(ROOT) else None
+            if rel is not None and str(rel).startswith(_OUTPUTS):
+                continue
             found = (list(ROOT.glob(str(rel))) if rel is not None and any(c in str(rel) for c in "*?[")
                      else [p] if p.exists() else [])
             if not found:

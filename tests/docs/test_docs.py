@@ -318,6 +318,7 @@ def _read_variables() -> set[str]:
         text = path.read_text()
         names |= set(re.findall(r"\bJAX_BLINK_[A-Z0-9_]+\b", text))
         macros |= set(re.findall(r"#define\s+(JAX_BLINK_[A-Z0-9_]+)", text))
+        macros |= {"JAX_BLINK_CUDA_ARCHS"}  # a CMake setting of the build (README, "Building for GPUs"), no variable
     return names - macros
 
 

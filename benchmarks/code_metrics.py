@@ -47,6 +47,11 @@ def main() -> None:
     ap.add_argument("--rev", help="a git revision (default: the working tree)")
     ap.add_argument("--top", type=int, default=10, help="how many of the longest functions to list")
     a = ap.parse_args()
+    if a.top < 1:
+        ap.error(f"--top: got {a.top}; takes a count >= 1")
+    if a.rev is not None and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{a.rev}^{{commit}}"],
+                                            cwd=ROOT, capture_output=True).returncode != 0:
+        ap.error(f"--rev: got {a.rev!r}; takes a git revision of this repository (a commit, branch or tag)")
     files = _files(a.rev)
     known = {_module(p) for p in files}
     print(f"{len(files)} modules, {sum(s.count(chr(10)) for s in files.values())} lines")

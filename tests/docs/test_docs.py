@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from repository import repository_files  # noqa: E402  (tests/helpers: not a package)
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DESIGN = ROOT / "docs" / "DESIGN.md"
@@ -255,23 +258,8 @@ def test_every_cited_file_exists(doc):
 # ---------------------------------------------------------------------------------------------
 # Nothing points outside the repository
 
-_SKIP_DIRS = {"_build", ".git", ".venv", "venv", "env", "build", ".hypothesis", ".pytest_cache", "__pycache__", ".whl"}
 _TEXT = {".py", ".md", ".ipynb", ".txt", ".sh", ".cu", ".cc", ".h", ".cuh", ".toml", ".cfg", ".yml",
          ".yaml", ".json", ".csv", ""}
-
-
-def repository_files(root: Path = ROOT) -> list[Path]:
-    """The repository's files: what git tracks (a virtual environment or a build inside the checkout
-    is not the repository's), else, without git, a walk that skips build, cache and environment
-    folders (any folder holding a ``pyvenv.cfg``)."""
-    try:
-        names = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True,
-                               text=True, timeout=60).stdout.split("\0")
-        return [root / n for n in names if n and (root / n).is_file()]
-    except (OSError, subprocess.SubprocessError):
-        envs = {p.parent for p in root.rglob("pyvenv.cfg")}
-        return [p for p in root.rglob("*") if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts)
-                and not any(p.is_relative_to(e) for e in envs)]
 
 
 def _repository_text_files():

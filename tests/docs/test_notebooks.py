@@ -4,7 +4,7 @@ jax_blink's executor over 8 CPU host devices (on a machine without GPUs), asking
 themselves."""
 
 import os
-import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,20 +13,14 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from repository import repository_files  # noqa: E402  (tests/helpers: not a package)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tracked(pattern: str) -> list[Path]:
-    """What git tracks under ``pattern``; without git or a .git (a copied tree), the folder's files."""
-    try:
-        out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=60).stdout.split()
-        return sorted(ROOT / p for p in out)
-    except (OSError, subprocess.SubprocessError):
-        return sorted(ROOT.glob(pattern))
-
-
-NOTEBOOKS = _tracked("notebooks/*.ipynb")
+# What git tracks there, not whatever else lies in the folder.
+NOTEBOOKS = repository_files(ROOT, "notebooks/*.ipynb")
 #: The notebooks that run collectives (01_trees plans and draws in the model only).
 RUN_COLLECTIVES = {"02_collectives.ipynb", "03_training.ipynb"}
 # Run after the notebook's own cells: the devices it got, and the CPU executor's communicators

@@ -13,20 +13,14 @@ from pathlib import Path
 import jax
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from repository import repository_files  # noqa: E402  (tests/helpers: not a package)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tracked(pattern: str) -> list[Path]:
-    """What git tracks under ``pattern``; without git or a .git (a copied tree), the folder's files."""
-    try:
-        out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=60).stdout.split()
-        return sorted(ROOT / p for p in out)
-    except (OSError, subprocess.SubprocessError):
-        return sorted(ROOT.glob(pattern))
-
-
-EXAMPLES = _tracked("examples/*.py")
+# What git tracks there, not whatever else lies in the folder.
+EXAMPLES = repository_files(ROOT, "examples/*.py")
 TIMEOUT_S = 600  # two training steps of a tiny model, compiles included, on a 2-core machine: ~30 s
 
 

@@ -14,14 +14,16 @@ from jax_blink.lowering.mesh import device_kind as _device_kind, platform as _pl
 from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
 from jax_blink.options import AUTO, config, env_value, parse_byte_count
 from jax_blink.planning import schedule as _schedule
+from jax_blink.planning.forms import LL_MAX_BYTES, ONESHOT_MAX_BYTES
 from jax_blink.planning.packing import hybrid_share, plan as _plan
 from jax_blink.planning.topology import NVLINK_EFFICIENCY, Topology
 from jax_blink.api.collectives import check_root
 
 
-#: The CUDA executor's defaults for its size limits (kernels/cuda/executor.h: kDefaultLLMaxBytes,
-#: kDefaultOneShotMaxBytes, kDefaultHostMinBytes; a test keeps them equal), for explain().
-LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = 512 << 10, 8 << 20, 256 << 20
+#: The CUDA executor's default size limits, for explain(): the one-hop kernels' as the planner
+#: knows them (planning/forms.py), and the host channel's (kernels/cuda/executor.h:
+#: kDefaultHostMinBytes; a test keeps all three equal to the header).
+LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = LL_MAX_BYTES, ONESHOT_MAX_BYTES, 256 << 20
 _EXECUTOR_BYTES = {"JAX_BLINK_LL_BYTES": LL_BYTES, "JAX_BLINK_ONESHOT_BYTES": ONESHOT_BYTES,
                    "JAX_BLINK_HOST_MIN_BYTES": HOST_MIN_BYTES}
 

@@ -46,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jax_blink.options.settings import ALLREDUCE_FORMS
 from jax_blink.planning import schedule as _schedule
 from jax_blink.planning.model import (MODEL, RingPlan, _chunk_candidates, _links_by_pair, _pack_rings,
                                       _pipeline_time, best_time, ring_allreduce_us, rings)
@@ -56,9 +57,11 @@ __all__ = ["FORMS", "AUTO", "Form", "Choice", "choose", "forms_at", "segments", 
            "LL_MAX_BYTES", "LL_MAX_RANKS", "ONESHOT_MAX_BYTES", "clear_cache"]
 
 #: The all-reduce forms, in the order ties are broken (the first of equal times wins).
-FORMS = ("reduce_broadcast", "rings", "scatter_gather", "shallow_trees", "one_hop")
 #: ``config.allreduce_form`` value: let the planner choose.
 AUTO = "auto"
+#: The all-reduce forms, in the order ties are broken (the first of equal times wins): the values of
+#: ``config.allreduce_form`` but "auto", which the options layer checks.
+FORMS = tuple(f for f in ALLREDUCE_FORMS if f != AUTO)
 #: The CUDA executor's one-hop limits (kernels/cuda/executor.h defaults: kDefaultLLMaxBytes,
 #: kMaxLLRanks, kDefaultOneShotMaxBytes; the one-shot kernel runs on 2 GPUs only).
 LL_MAX_BYTES, LL_MAX_RANKS, ONESHOT_MAX_BYTES = 512 << 10, 8, 8 << 20

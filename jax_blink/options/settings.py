@@ -42,7 +42,7 @@ _FALLBACKS = ("warn", "raise", "silent")
 MAX_TIMEOUT_S = 1e6  # the budget travels in milliseconds as an int64 attribute; 11 days is plenty
 _DISPATCH = ("auto", "blink", "lax")
 #: ``allreduce_form`` values: the planner's choice, or one form of jax_blink/planning/forms.py
-#: (FORMS there; a test keeps the two lists equal: options sit below planning and cannot import it).
+#: (which takes its FORMS from here: options sit below planning).
 ALLREDUCE_FORMS = ("auto", "reduce_broadcast", "rings", "scatter_gather", "shallow_trees", "one_hop")
 #: ``chunk_bytes`` value that means: the tuned chunk from the cache (:mod:`jax_blink.lowering.chunk_cache`).
 AUTO = "auto"

@@ -11,8 +11,9 @@ JAX) < ``lowering`` (dispatch, the custom call, processes and hosts) < ``switch`
 of unedited programs) < ``api`` (the public calls) < ``tools`` (command line, bench, pictures,
 training; imported by nothing in the library).
 """
-from jax_blink.api.collectives import (SUPPORTED_DTYPES, all_gather, all_reduce, backends, broadcast,
-                                       check, check_environment, reduce, reduce_scatter, reset)
+from jax_blink.api.collectives import (SUPPORTED_DTYPES, AllReduceHandle, all_gather, all_reduce,
+                                       all_reduce_done, all_reduce_start, backends, broadcast, check,
+                                       check_environment, reduce, reduce_scatter, reset)
 from jax_blink.api.explain import explain
 from jax_blink.lowering.call_order import register as _register_call_order
 from jax_blink.options import config
@@ -27,7 +28,8 @@ __version__ = "0.1.0"
 _register_call_order()
 
 __all__ = [
-    "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "backends", "broadcast",
+    "AllReduceHandle", "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "all_reduce_done",
+    "all_reduce_start", "backends", "broadcast",
     "check", "check_environment", "config", "explain", "plan", "reduce", "reduce_scatter", "reset",
     # the switch (jax_blink/switch/): lax collectives of unedited programs on jax_blink
     "explain_lowering", "install", "installed", "is_installed", "switch_report", "uninstall",

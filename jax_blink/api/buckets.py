@@ -227,7 +227,7 @@ def _wait_for(buf: jax.Array, prev: jax.Array) -> jax.Array:
 
 
 def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, **kwargs):
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False, **kwargs):
     """Sum every leaf of ``tree`` over ``axis_name`` with :func:`jax_blink.all_reduce`, one call per bucket.
 
     Args:
@@ -235,14 +235,41 @@ def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
         axis_name: The mesh axis (or tuple of axes) to sum over.
         layout: The layout (default: ``BucketLayout.of(tree, bucket_bytes)``).
         bucket_bytes: The bucket cap when no layout is given.
+        overlap: Each bucket's all-reduce is started as soon as its gradients exist and awaited
+            only after the next bucket's start (:func:`jax_blink.all_reduce_start` /
+            :func:`jax_blink.all_reduce_done`, DDP's order): on GPUs it runs on a side stream
+            beside the rest of the backward pass. Not differentiable. Same results either way.
         **kwargs: Passed to :func:`jax_blink.all_reduce` (``topology``, ``method``).
 
     Returns:
-        The summed pytree; the calls run in bucket order.
+        The summed pytree; the calls run (start) in bucket order.
     """
-    from jax_blink.api.collectives import all_reduce
-    return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
-                    ordered=True)
+    if not overlap:
+        from jax_blink.api.collectives import all_reduce
+        return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
+                        ordered=True)
+    return _overlapped_all_reduce(tree, axis_name, layout or BucketLayout.of(tree, bucket_bytes), **kwargs)
+
+
+def _overlapped_all_reduce(tree, axis_name, layout: BucketLayout, **kwargs):
+    """:func:`bucketed_all_reduce` with ``overlap=True``: start every bucket (in bucket order: the
+    last layers' gradients, which the backward pass makes first, come first), then the dones,
+    done k after start k + 1 (its token), so that XLA cannot wait for bucket k before it started
+    bucket k + 1."""
+    from jax_blink.api.overlap import all_reduce_done, all_reduce_start
+    handles = []
+    for buf in layout.pack(tree):
+        if handles and _on_cpu(buf):  # CPU: the synchronous starts wait for each other (see bucketed)
+            buf = _wait_for(buf, handles[-1].result)
+        handles.append(all_reduce_start(buf, axis_name, **kwargs))
+    outs = [all_reduce_done(h, after=handles[k + 1] if k + 1 < len(handles) else None)
+            for k, h in enumerate(handles)]
+    return layout.unpack(outs)
+
+
+def _on_cpu(buf) -> bool:
+    from jax_blink.lowering import processes as distributed
+    return distributed._platform_of(buf) == "cpu"
 
 
 def _fmt_bytes(n: int) -> str:

@@ -399,3 +399,7 @@ def backends() -> dict[str, bool]:
 check = _backends.check
 reset = _backends.reset
 check_environment = _backends.check_environment
+
+
+# The asynchronous all-reduce (jax_blink/api/overlap.py), exported beside the synchronous one.
+from jax_blink.api.overlap import AllReduceHandle, all_reduce_done, all_reduce_start  # noqa: E402,F401

@@ -158,6 +158,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>  // the communicator's key (devices, blocks, lane)
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -283,7 +284,7 @@ namespace {
 
 std::mutex g_mu;
 std::atomic<DeviceState*> g_dev[kMaxDevices];
-std::map<std::pair<std::vector<int>, int>, std::unique_ptr<Comm>> g_comms;  // (devices, blocks)
+std::map<std::tuple<std::vector<int>, int, int>, std::unique_ptr<Comm>> g_comms;  // (devices, blocks, lane)
 std::vector<std::unique_ptr<Site>> g_sites;
 std::map<std::pair<int64_t, int>, Site*> g_site_by_dev;  // (comm_id, device)
 
@@ -388,7 +389,7 @@ std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, C
     EnvCount("JAX_BLINK_CUDA_BLOCKS", 0, kMaxCudaBlocks, &env_blocks);
     blocks = static_cast<int>(env_blocks);
   }
-  auto key = std::make_pair(devices, std::max(blocks, 0));
+  auto key = std::make_tuple(devices, std::max(blocks, 0), opt.lane);  // lane: Options::lane (async_ffi.cc)
   auto it = g_comms.find(key);
   if (it != g_comms.end()) { *out = it->second.get(); return {}; }
   DeviceGuard guard;

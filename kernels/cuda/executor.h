@@ -55,6 +55,12 @@ struct Options {
   // engines on side streams (faster both ways at once; not capturable), -1: JAX_BLINK_HOST_ENGINE
   // (sm|ce), else kDefaultHostEngine.
   int host_engine = -1;
+  // Which stream class the communicator serves (kernels/cuda/async_ffi.cc): 0 the call's own
+  // stream (XLA's compute stream), 1 the per-device side stream of the asynchronous form. Part of
+  // the communicator's key with the devices and the grid: an asynchronous site never shares a
+  // communicator (its one-shot inbox, its call counters) with calls that run on another stream in
+  // another order.
+  int lane = 0;
 };
 // The limits and the host channel's defaults come from measurements: benchmarks/NOTES.md, "Where
 // the CUDA executor's constants come from".

@@ -47,6 +47,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/async_ffi.h"  // the asynchronous form: jax_blink_start / jax_blink_done
 #include "cuda/executor.h"
 #include "cuda/gpu_binding.h"
 #include "cuda/ipc.h"
@@ -396,6 +397,8 @@ NB_MODULE(_blink_cuda, m) {
             command_buffers ? &JaxBlinkCollectiveLiteCudaGraph : &JaxBlinkCollectiveLiteCuda));
         // Every collective across processes through CUDA IPC (cuda/ipc.h).
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
+        // The asynchronous all-reduce (cuda/async_ffi.cc); neither claims the command-buffer trait.
+        jax_blink::cuda_async::AddTargets(d);
         return d;
       },
       nb::arg("command_buffers") = false,
@@ -480,6 +483,7 @@ NB_MODULE(_blink_cuda, m) {
       "Free every communicator (registered with atexit; collectives set up again on their next call).");
 
   m.def("version", []() { return std::string(jbc::Version()); });
+  jax_blink::cuda_async::Bind(m);  // async_blocks(), async_in_flight()
 
   m.def(
       "built_architectures", []() { return std::vector<int>(std::begin(kCubinArchs), std::end(kCubinArchs)); },

@@ -1,0 +1,154 @@
+"""The asynchronous all-reduce (jax_blink.all_reduce_start / all_reduce_done, the overlapped
+buckets): on 8 CPU host devices it runs synchronously and must equal lax.psum bit for bit, keep the
+call-order chain, and carry the done's ordering token into the compiled program; the GPU lowering
+(jax_blink_start / jax_blink_done, aliases, token) is checked on its StableHLO text.
+
+8 CPU host devices (tests/conftest.py).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+from jax_blink.api.buckets import BucketLayout, bucketed_all_reduce
+from jax_blink.lowering import async_call
+from jax_blink.options import override
+
+DEVICES = jax.devices()
+N = len(DEVICES)
+pytestmark = pytest.mark.skipif(N < 8, reason="needs the 8 CPU host devices of tests/conftest.py")
+
+
+def _mesh():
+    return jax.make_mesh((N,), ("data",), devices=DEVICES)
+
+
+def _grads(seed: int):
+    """A gradient-shaped pytree of fresh random numbers, one per device, in 3+ buckets."""
+    rng = np.random.default_rng(seed)
+    shapes = {"a": (N, 300), "b": (N, 40, 30), "c": (N, 2000), "d": (N, 7)}
+    return {k: _sharded(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+
+
+def _sharded(a):
+    return jax.device_put(jnp.asarray(a), NamedSharding(_mesh(), P("data")))
+
+
+def _step(layout, overlap: bool, kind: str):
+    mesh = _mesh()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P())
+    def f(tree):
+        tree = jax.tree.map(lambda v: v[0], tree)
+        if kind == "psum":
+            return jax.tree.map(lambda v: lax.psum(v, "data"), tree)
+        return bucketed_all_reduce(tree, "data", layout=layout, overlap=overlap)
+
+    return f
+
+
+def _layout(tree):
+    return BucketLayout.of(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree),
+                           bucket_bytes=4000, first_bucket_bytes=1000)
+
+
+def test_overlapped_buckets_equal_psum_bitwise_on_integers():
+    """int32 sums are exact in any order: the overlapped buckets must give psum's bits."""
+    rng = np.random.default_rng(3)
+    tree = {k: _sharded(rng.integers(-1000, 1000, v.shape).astype(np.int32)) for k, v in _grads(0).items()}
+    layout = _layout(tree)
+    assert len(layout.buckets) >= 3
+    with override(dispatch="blink"):
+        ours = _step(layout, True, "blink")(tree)
+    ref = _step(layout, False, "psum")(tree)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(ref[k]))
+    assert not np.array_equal(np.asarray(ours["c"]), np.asarray(tree["c"])[0])
+
+
+def test_overlapped_buckets_equal_the_synchronous_ones_bitwise():
+    """float32: the same bits as the synchronous jax_blink buckets (the same executor and program),
+    and psum's sum up to rounding (the trees add in another order than XLA's)."""
+    tree = _grads(0)
+    layout = _layout(tree)
+    assert len(layout.buckets) >= 3
+    with override(dispatch="blink"):
+        ours = _step(layout, True, "blink")(tree)
+        sync = _step(layout, False, "blink")(tree)
+    ref = _step(layout, False, "psum")(tree)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(sync[k]))
+        np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(ours["c"]), np.asarray(tree["c"])[0])
+
+
+def test_start_done_api_equals_psum_and_orders_the_done():
+    rng = np.random.default_rng(1)
+    x = _sharded(rng.standard_normal((N, 513)).astype(np.float32))
+    y = _sharded(rng.standard_normal((N, 64)).astype(np.float32))
+    mesh = _mesh()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P()))
+    def f(a, b):
+        h1 = jax_blink.all_reduce_start(a[0], "data")
+        h2 = jax_blink.all_reduce_start(b[0] * 2.0, "data")
+        return jax_blink.all_reduce_done(h1, after=h2), jax_blink.all_reduce_done(h2)
+
+    with override(dispatch="blink"):
+        s1, s2 = f(x, y)
+        hlo = f.lower(x, y).compile().as_text()
+    np.testing.assert_allclose(np.asarray(s1), np.asarray(jnp.sum(x, 0)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(s2), np.asarray(
+        jax.jit(jax.shard_map(lambda b: lax.psum(b[0] * 2.0, "data"), mesh=mesh, in_specs=P("data"),
+                              out_specs=P()))(y)), rtol=1e-5, atol=1e-5)
+    # Two collectives, the second waits for the first (the chain), and the first's done waits for
+    # the second's operand (its token): three jax_blink_after calls in the compiled program.
+    assert len(re.findall(r'custom_call_target="jax_blink_collective', hlo)) == 2
+    assert len(re.findall(r'custom_call_target="jax_blink_after"', hlo)) >= 2
+
+
+def test_start_done_bad_input():
+    with pytest.raises(TypeError, match="takes the handle"):
+        jax_blink.all_reduce_done(jnp.zeros(3))
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="op 'prod' is not supported"):
+        jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce_start(v, "data", op="prod").result,
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data")))(_sharded(np.ones(N, np.float32)))
+    with pytest.raises(TypeError, match="uint8 is not supported"):
+        jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce_start(v, "data").result,
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data")))(_sharded(np.ones(N, np.uint8)))
+
+
+def test_gpu_lowering_has_aliases_and_token(monkeypatch):
+    """The GPU form, lowered here as text (no GPU needed): each start returns the operand aliased
+    (output 0 <- operand 0) and the result; each done takes (passed, result, token) with the result
+    aliased (output 0 <- operand 1); done k's token is start k+1's passed operand."""
+    monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
+    rng = np.random.default_rng(2)
+    tree = {"w": _sharded(rng.standard_normal((N, 1000)).astype(np.float32)),
+            "v": _sharded(rng.standard_normal((N, 600)).astype(np.float32)),
+            "u": _sharded(rng.standard_normal((N, 300)).astype(np.float32))}
+    layout = BucketLayout.of(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree),
+                             bucket_bytes=1000, first_bucket_bytes=1000)
+    assert len(layout.buckets) == 3
+    with override(dispatch="blink"):
+        text = _step(layout, True, "blink").lower(tree).as_text()
+    starts = re.findall(r"(%\S+):2 = stablehlo.custom_call @jax_blink_start\((%[^,]+), [^)]*\).*?"
+                        r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[0\], "
+                        r"operand_index = 0", text, re.S)
+    dones = re.findall(r"stablehlo.custom_call @jax_blink_done\((%[^,]+), (%[^,]+), (%[^)]+)\).*?"
+                       r"output_operand_aliases = \[#stablehlo.output_operand_alias<output_tuple_indices = \[\], "
+                       r"operand_index = 1", text, re.S)
+    assert len(starts) == 3 and len(dones) == 3, text
+    names = [s[0] for s in starts]
+    for k, (passed, result, token) in enumerate(dones):
+        assert passed == f"{names[k]}#0" and result == f"{names[k]}#1"
+        expected = f"{names[k + 1]}#0" if k + 1 < len(names) else passed
+        assert token == expected, (k, token, expected)

@@ -10,13 +10,15 @@ import jax
 import numpy as np
 
 from jax_blink.lowering import backends as _backends
-from jax_blink.lowering import dispatch_table
+from jax_blink.lowering import dispatch_cache, dispatch_table
+from jax_blink.lowering import machine as _machine
 from jax_blink.lowering import hierarchy as _hierarchy
 from jax_blink.lowering import processes as _distributed
 from jax_blink.lowering.mesh import device_kind, platform as current_platform
 from jax_blink.options import config
 
 _warned: set[str] = set()
+_no_entry_warned: list[bool] = [False]  # the no-entry warning: once per process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,20 +35,84 @@ LAX_NAME = {"allreduce": "lax.psum", "broadcast": "lax.psum (of the root's value
             "reduce": "lax.psum", "allgather": "lax.all_gather", "reducescatter": "lax.psum_scatter"}
 
 
+#: The command that measures this machine and stores its entry (jax_blink/tools/tune.py).
+TUNE_COMMAND = "jax-blink tune"
+_PUBLIC_NAME = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
+                "allgather": "all_gather", "reducescatter": "reduce_scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Which measurement ``dispatch="auto"`` follows for one call: ``entry`` (its lax ranges
+    decide) and ``source``: ``"tuned"`` (the user's cache, ``jax-blink tune``), ``"shipped"`` (the
+    package's table) or ``"meanwhile"`` (no entry for this machine: :func:`dispatch_table.meanwhile`)."""
+
+    entry: dispatch_table.Crossover
+    source: str
+    machine: _machine.MachineKey
+
+
+def choice(collective: str, n: int, dtype: str | None, kind: str | None,
+           ranks_layout: str = "one process") -> Choice:
+    """The entry that ``dispatch="auto"`` follows for ``collective`` on ``n`` devices of ``kind``
+    here: this machine's tuned entry (same links, jax and NCCL versions) if the cache holds one,
+    else the shipped entry of this device model, count, links and layout, else the meanwhile rule."""
+    key = _machine.this_machine(kind or "unknown", n, ranks_layout)
+    tuned = dispatch_cache.lookup(key, collective, dtype)
+    if tuned is not None:
+        return Choice(tuned, "tuned", key)
+    shipped = dispatch_table.entry(kind, n, collective, ranks_layout, dtype, key.links)
+    if shipped is not None:
+        return Choice(shipped, "shipped", key)
+    return Choice(dispatch_table.meanwhile(key.platform, collective, ranks_layout, dtype), "meanwhile", key)
+
+
+def no_entry_message(key: _machine.MachineKey, dtype: str | None = None) -> str:
+    """What a machine without an entry runs under ``dispatch="auto"``, per collective, and the
+    command that measures one: the first call's warning and ``jax-blink env`` say it."""
+    parts = []
+    for collective in dispatch_table.COLLECTIVES:
+        m = dispatch_table.meanwhile(key.platform, collective, key.layout, dtype)
+        where = dispatch_table.describe_ranges(m.lax_ranges)
+        why = "" if m.sources else f" (never measured on a {key.platform} machine in this layout)"
+        parts.append(f"{_PUBLIC_NAME[collective]}: {LAX_NAME[collective]} at {where}{why}")
+    return (f"dispatch=\"auto\" has no measured entry for this machine ({key.describe()}). Meanwhile it runs "
+            f"jax_blink's executor only at sizes (bytes per rank) where the executor won on every "
+            f"{key.platform} machine measured so far, and XLA's own collective elsewhere: "
+            + "; ".join(parts)
+            + f". Measure this machine with `{TUNE_COMMAND}` (a few minutes; it stores an entry in "
+              f"{dispatch_cache.cache_file()} that dispatch=\"auto\" uses from then on), or set "
+              "JAX_BLINK_DISPATCH=blink (always the executor) or lax")
+
+
+def _warn_no_entry(key: _machine.MachineKey) -> None:
+    if _no_entry_warned[0]:
+        return
+    _no_entry_warned[0] = True
+    warnings.warn(f"jax_blink: {no_entry_message(key)} (said once per process)", RuntimeWarning, stacklevel=5)
+
+
 def dispatch(collective: str, n: int, nbytes: int, dtype: str, kind: str | None,
              ranks_layout: str = "one process") -> Decision:
     """``config.dispatch`` for one call of ``collective`` with ``nbytes`` per rank on ``n`` devices of
-    ``kind``: ``"auto"`` reads the measured table (:mod:`jax_blink.lowering.dispatch_table`) for the
-    operand's ``dtype`` and the ``ranks_layout`` (``"one process"`` or ``"several processes"``)."""
+    ``kind``: ``"auto"`` follows this machine's measured entry (:func:`choice`: tuned, shipped,
+    or the meanwhile rule, which warns once per process) for the operand's ``dtype`` and the
+    ``ranks_layout`` (``"one process"`` or ``"several processes"``)."""
     if config.dispatch == "lax":
         return Decision(False, "dispatch=lax (JAX_BLINK_DISPATCH or jax_blink.config.dispatch)")
     if config.dispatch == "blink":
         return Decision(True, "dispatch=blink: the executor runs every call")
-    if dispatch_table.prefer_lax(kind, n, nbytes, collective=collective, layout=ranks_layout, dtype=dtype):
-        return Decision(False, f"dispatch=auto: {LAX_NAME[collective]} was measured faster at {nbytes} bytes "
-                               f"per rank on {n} x {kind} (jax_blink/lowering/dispatch_table.py)")
-    return Decision(True, f"dispatch=auto: the executor, as the table has it for {nbytes} bytes per rank "
-                          f"on {n} x {kind}")
+    c = choice(collective, n, dtype, kind, ranks_layout)
+    if c.source == "meanwhile":
+        _warn_no_entry(c.machine)
+    where = {"tuned": f"this machine's tuned entry ({dispatch_cache.cache_file()})",
+             "shipped": "the table (jax_blink/lowering/dispatch_table.py)",
+             "meanwhile": f"no entry for {c.machine.describe()}: the meanwhile rule, from every "
+                          f"{c.machine.platform} machine measured; `{TUNE_COMMAND}` measures this one"}[c.source]
+    if c.entry.prefers_lax(nbytes):
+        return Decision(False, f"dispatch=auto: {LAX_NAME[collective]} at {nbytes} bytes per rank on {n} x {kind}, "
+                               f"as {where} has it")
+    return Decision(True, f"dispatch=auto: the executor at {nbytes} bytes per rank on {n} x {kind}, as {where} has it")
 
 
 def use_lax(collective: str, n: int, x, axes: tuple[str, ...] | None = None) -> bool:

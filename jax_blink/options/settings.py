@@ -236,13 +236,15 @@ _ENV_OPTIONS = {
     "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
+# folder of tuned dispatch entries (dispatch_cache.py), the
 # host channel's engine and the executor's size limits that explain() reports (collectives.py), and
 # the CUDA executor's own (kernels/cuda/executor.cu, checked at set-up). tests/unit/test_options.py
 # scans the package and kernels/ so that this list cannot miss one.
 _ENV_ELSEWHERE = (
-    "JAX_BLINK_TUNING_CACHE", "JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS",
+    "JAX_BLINK_TUNING_CACHE", "JAX_BLINK_DISPATCH_CACHE", "JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS",
     "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_SHARE",
     "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_ENGINE",
+    "JAX_BLINK_UNIT_ORDER",  # kernels/cuda/executor.cu: which blocks play which tree's pieces
     "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda/ipc.cu: the IPC kernels' most blocks (default: one per SM)
     "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/lowering/processes.py
     "JAX_BLINK_FULL_BINDING",  # jax_blink/api/collectives.py: GPU calls carry every attribute (issue 17)

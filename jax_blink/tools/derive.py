@@ -1,5 +1,8 @@
-"""Deriving a dispatch table entry (:class:`jax_blink.lowering.dispatch_table.Crossover`) from
-bench runs: ``python -m jax_blink crossover RUN.json ...``."""
+"""Deriving dispatch table entries (:class:`jax_blink.lowering.dispatch_table.Crossover`) from
+bench runs: ``python -m jax_blink crossover RUN.json ...`` prints one entry;
+``python -m jax_blink crossover --update RUN.json ...`` derives every machine's and collective's
+entries from the runs and writes them into the shipped table's file (``jax-blink tune`` does the
+same into the user's cache)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +10,9 @@ import math
 import os
 from collections.abc import Sequence
 
+from jax_blink.lowering import dispatch_table
 from jax_blink.lowering.dispatch_table import COLLECTIVES, LAYOUTS, Crossover
+from jax_blink.lowering.machine import HOST_LINKS
 
 
 #: lax "won" a row only where ours took at least 5% longer (speedup below this): closer than that
@@ -24,9 +29,11 @@ def _lax_won(row: dict) -> bool:
     return float(row["speedup"]) < LAX_WINS_BELOW and (math.isnan(slope) or slope < LAX_WINS_BELOW)
 
 
-def _read_run(src: str, root: str, dtype: str | None = None) -> tuple[tuple[str, int, str, str], dict[int, bool]]:
-    """(device kind, ranks, collective, layout) of a bench run and, per operand size it measured
-    (in ``dtype`` only, where given), whether lax won there."""
+def _read_run(src: str, root: str, dtype: str | None = None
+              ) -> tuple[tuple[str, int, str, str, str | None], dict[int, bool]]:
+    """(device kind, ranks, collective, layout, links) of a bench run and, per operand size it
+    measured (in ``dtype`` only, where given), whether lax won there. Runs that did not record
+    their links are of CPU host devices (host memory) or say nothing (None)."""
     try:
         with open(os.path.join(root, src)) as f:
             doc = json.load(f)
@@ -34,7 +41,9 @@ def _read_run(src: str, root: str, dtype: str | None = None) -> tuple[tuple[str,
         collective = meta.get("collective") or os.path.basename(src).split("-")[0]
         n = int(meta["n"])
         layout = meta.get("layout", "one process")
-        kind = (meta["device_kind"], n, collective, layout)
+        links = meta.get("links") or (HOST_LINKS if meta["device_kind"] == "cpu" else None)
+        kind = (meta["device_kind"], n, collective, layout, links)
+        timed = meta.get("dispatch", "blink")
         per_operand = n if collective == "allgather" else 1  # the bench's size: all-gather's output
         points = [(int(r["size"]) // per_operand, str(r.get("dtype", "")), int(r.get("wrong", 0)), _lax_won(r))
                   for r in rows]
@@ -46,6 +55,9 @@ def _read_run(src: str, root: str, dtype: str | None = None) -> tuple[tuple[str,
                          f"({', '.join(COLLECTIVES)})")
     if layout not in LAYOUTS:
         raise ValueError(f"{src}: layout {layout!r} is not one of {LAYOUTS}")
+    if timed != "blink":
+        raise ValueError(f"{src}: a bench run of dispatch={timed!r}, which times what the table already "
+                         "decides; entries come from runs of the executor itself (the bench's default)")
     won: dict[int, bool] = {}
     for size, row_dtype, wrong, lax_won in points:
         if dtype is not None and row_dtype != dtype:
@@ -88,8 +100,8 @@ def derive(sources: Sequence[str], root: str = ".", dtype: str | None = None) ->
         raise ValueError(f"the runs are of different layouts: {sorted({k[3] for k in kinds})}; "
                          "derive one entry per layout")
     if len(kinds) != 1:
-        raise ValueError(f"the runs are of different machines: {sorted(k[:2] for k in kinds)}; "
-                         "derive one entry per machine")
+        raise ValueError(f"the runs are of different machines: {sorted((k[0], k[1], k[4] or '') for k in kinds)}; "
+                         "derive one entry per machine (device kind, count and links)")
     if not lax_won:
         raise ValueError("the runs measured no size" + (f" in {dtype}" if dtype is not None else ""))
     measured, won_everywhere = set(lax_won), {s for s, w in lax_won.items() if w}
@@ -107,5 +119,53 @@ def derive(sources: Sequence[str], root: str = ".", dtype: str | None = None) ->
         hi = None if j == len(order) - 1 else round(math.sqrt(order[j] * order[j + 1]))
         ranges.append((lo, hi))
         i = j + 1
-    (kind, n, collective, layout), = kinds
-    return Crossover(kind, n, tuple(ranges), tuple(sources), collective, layout, dtype)
+    (kind, n, collective, layout, links), = kinds
+    return Crossover(kind, n, tuple(ranges), tuple(sources), collective, layout, dtype, links)
+
+
+def _dtypes(src: str, root: str) -> list[str]:
+    with open(os.path.join(root, src)) as f:
+        return list(dict.fromkeys(str(r.get("dtype", "")) for r in json.load(f)["rows"]))
+
+
+def derive_all(sources: Sequence[str], root: str = ".") -> list[Crossover]:
+    """Every entry that the bench runs ``sources`` support, of any machines and collectives: the
+    runs are grouped by machine (device kind, count, links), collective and layout; each group
+    gives its entry for every dtype (:func:`derive`) and, for each dtype whose own rows put a
+    different set of sizes on ``lax``, that dtype's entry too.
+
+    Raises ValueError as :func:`derive` does, for any one file."""
+    if not sources:
+        raise ValueError("derive_all() needs at least one bench JSON file")
+    groups: dict[tuple, list[str]] = {}
+    for src in dict.fromkeys(sources):
+        kind, _ = _read_run(src, root)
+        groups.setdefault(kind, []).append(src)
+    out = []
+    for files in groups.values():
+        every = derive(files, root)
+        out.append(every)
+        dtypes = dict.fromkeys(d for src in files for d in _dtypes(src, root))
+        for d in dtypes:
+            own = derive(files, root, dtype=d)
+            if own.lax_ranges != every.lax_ranges:
+                out.append(own)
+    return out
+
+
+def update(sources: Sequence[str], path: str = dispatch_table.SHIPPED_FILE, root: str = ".",
+           about: str | None = None) -> tuple[list[Crossover], list[Crossover]]:
+    """Derive every entry of ``sources`` (:func:`derive_all`) and write them into the entries file
+    ``path`` (default: the shipped table), in place of the entries of the same machines,
+    collectives and layouts; ``(new entries, entries they replaced)``. A file that does not exist
+    yet is made."""
+    new = derive_all(sources, root)
+    groups = {c.group for c in new}
+    old = list(dispatch_table.read_entries(path)) if os.path.exists(path) else []
+    replaced = [c for c in old if c.group in groups]
+    kept = [c for c in old if c.group not in groups]
+    text = about or ("Dispatch entries of jax_blink.lowering.dispatch_table, each derived from the bench files "
+                     f"it cites (sources). Written by: {dispatch_table.UPDATE_COMMAND} FILES...; do not edit "
+                     "by hand (tests/unit/test_dispatch.py derives every entry again).")
+    dispatch_table.write_entries(path, kept + new, text)
+    return new, replaced

@@ -135,7 +135,8 @@ def test_the_layout_of_a_call_picks_its_entry(monkeypatch):
     assert decision.layout(("x",), 2) == "one process"
 
     kind = DEVICES[0].device_kind
-    table = (tuning.Crossover(kind, 2, ((0, None),), ("test",), layout="several processes"),)
+    table = (tuning.Crossover(kind, 2, ((0, None),), ("test",), layout="several processes"),
+             tuning.Crossover(kind, 2, (), ("test",)))
     monkeypatch.setattr(tuning, "CROSSOVERS", table)
     monkeypatch.setattr(jax_blink.config, "dispatch", "auto")
     x = np.ones(8, np.float32)

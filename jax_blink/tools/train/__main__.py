@@ -31,10 +31,10 @@ from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ens
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
 DEFAULT_OUT = "jax_blink_results"
-COLLECTIVES = ("psum", "blink", "switch")
-SIZE_NAMES = ("tiny", "small", "full")
+COLLECTIVES = ("psum", "blink", "overlap", "switch")
+SIZE_NAMES = ("tiny", "small", "full", "medium")
 #: Flags that override a field of the size's config, and the models that have the field.
-FIELDS = {"layers": ("gpt2",), "blocks": ("resnet",), "width": ("resnet", "gpt2"), "heads": ("gpt2",),
+FIELDS = {"layers": ("gpt2",), "blocks": ("resnet",), "depth": ("resnet",), "width": ("resnet", "gpt2"), "heads": ("gpt2",),
           "vocab": ("gpt2",), "seq_len": ("gpt2",), "image_size": ("resnet",), "classes": ("resnet",),
           "batch": ("resnet", "gpt2")}
 
@@ -82,10 +82,12 @@ def parser() -> argparse.ArgumentParser:
                         "or the psum step under jax_blink's switch (default blink)")
     p.add_argument("--steps", type=_positive_int("--steps"), default=10)
     p.add_argument("--size", default="tiny", choices=SIZE_NAMES,
-                   help="tiny (CPU), small, full (ResNet-18 on 224x224, GPT-2 small); default tiny")
+                   help="tiny (CPU), small, full (ResNet-18 on 224x224, GPT-2 small), medium (ResNet-50, GPT-2 medium); "
+                        "default tiny")
     g = p.add_argument_group("model shape (override the size's values)")
     g.add_argument("--layers", type=_positive_int("--layers"), help="GPT-2 blocks")
     g.add_argument("--blocks", type=_positive_int("--blocks"), help="ResNet basic blocks per stage (ResNet-18: 2)")
+    g.add_argument("--depth", type=int, choices=(18, 50), help="ResNet depth (18: basic blocks; 50: bottleneck)")
     g.add_argument("--width", type=_positive_int("--width"), help="GPT-2 embedding width; ResNet channels of stage 1")
     g.add_argument("--heads", type=_positive_int("--heads"), help="GPT-2 attention heads")
     g.add_argument("--vocab", type=_positive_int("--vocab"), help="GPT-2 vocabulary")
@@ -115,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick-compile", action="store_true",
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one step of each timed mode with jax.profiler into DIR and report the overlap "
+                        "figure (share of jax_blink kernel time beside compute kernels; GPU traces)")
     p.add_argument("--explain", action="store_true", help="print jax_blink.explain of each bucket's all-reduce")
     p.add_argument("--out", default=None, metavar="DIR", type=lambda t: output_folder("--out", t),
                    help=f"folder for the results: an existing folder, or a new one in an existing folder "
@@ -181,6 +186,30 @@ def time_steps(dp, modes: Sequence[str], state, runs: int) -> dict[str, list[flo
     batch = dp.batches[0]
     fns = [lambda s, c=dp.compiled(m): _Done(c(s, batch)) for m in modes]
     return dict(zip(modes, interleaved_times(fns, state, runs)))
+
+
+def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
+    """One traced step of each mode (jax.profiler, after a warm-up step), and the overlap figure of
+    its trace (:mod:`jax_blink.tools.trace_overlap`): the share of jax_blink's kernel time that
+    ran beside other kernels on the same GPU. Returns {mode: summary}."""
+    import jax
+    from jax_blink.tools import trace_overlap
+    batch = dp.batches[0]
+    found = {}
+    for m in modes:
+        step = dp.compiled(m)
+        jax.block_until_ready(step(state, batch))
+        where = folder / m
+        with jax.profiler.trace(str(where)):
+            jax.block_until_ready(step(state, batch))
+        traces = sorted(where.rglob("*.trace.json.gz"))
+        if not traces:
+            say(f"  profile {m}: no trace file under {where}")
+            continue
+        summary = trace_overlap.summarize(trace_overlap.load(traces[-1]))
+        found[m] = {"trace": str(traces[-1]), **summary}
+        say(f"  profile {m} (measured, one step, {traces[-1].name}): {trace_overlap.describe(summary)}")
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -261,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
     if args.timing_runs:
-        ours = args.collective if args.collective != "psum" else "blink"
-        modes = ["psum", ours, "none"]
+        # psum, jax_blink (synchronous), jax_blink overlapped, no all-reduce; the switch where asked.
+        modes = ["psum", "blink", "overlap"] + (["switch"] if args.collective == "switch" else []) + ["none"]
         times = time_steps(dp, modes, state, args.timing_runs)
         med = {m: statistics.median(t) for m, t in times.items()}
         say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
@@ -272,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             share = (med[m] - med["none"]) / med[m]
             counted = dp.collectives_in(m)
             label = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
-                     "switch": "psum under the switch", "none": "no all-reduce"}[m]
+                     "overlap": "jax_blink overlapped", "switch": "psum under the switch",
+                     "none": "no all-reduce"}[m]
             if m == "none":
                 tail = ""
             elif n == 1 or counted["all-reduce"] + counted["jax_blink"] == 0:
@@ -280,12 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # the noise between runs of programs that do the same work.
                 tail, share = "  no collective in this program (one device: nothing to sum across)", None
             else:
-                tail = f"  collectives {share:6.1%} ({(med[m] - med['none']) * 1e3:.3f} ms)"
+                tail = (f"  collectives {share:6.1%} (exposed communication, measured: "
+                        f"{(med[m] - med['none']) * 1e3:.3f} ms)")
             say(f"  {label:>22}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
                 f"{counted['jax_blink']} jax_blink call(s) in the program]")
             record["timing"]["modes"][m] = {"median_s": med[m], "times_s": times[m], "collective_share": share,
+                                            "exposed_s": med[m] - med["none"],
                                             "xla_all_reduces": counted["all-reduce"],
                                             "jax_blink_calls": counted["jax_blink"]}
+    if args.profile and args.timing_runs:
+        record["profile"] = profile_modes(dp, [m for m in modes if m != "none"], state, Path(args.profile), say)
     if not args.no_write:
         out = Path(args.out or DEFAULT_OUT)
         made = not out.exists()

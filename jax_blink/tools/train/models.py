@@ -1,5 +1,5 @@
-"""Two models people train, in flax NNX: a ResNet-18-shaped image classifier and a GPT-2-small-
-shaped language model. Depth and width are arguments, so that a tiny one runs on CPU host devices;
+"""Two models people train, in flax NNX: a ResNet-18- or ResNet-50-shaped image classifier and a
+GPT-2-small- or medium-shaped language model (``--size medium``: ResNet-50, GPT-2 medium). Depth and width are arguments, so that a tiny one runs on CPU host devices;
 the sizes ``tiny``, ``small`` and ``full`` (ResNet-18 on 224x224 ImageNet shapes, GPT-2 small's
 124M parameters) are in :data:`SIZES`.
 """
@@ -15,7 +15,8 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
-    blocks: int = 2          # basic blocks per stage (ResNet-18: 2, in 4 stages)
+    blocks: int = 2          # basic blocks per stage (ResNet-18: 2, in 4 stages); depth 50 ignores it
+    depth: int = 18          # 18: basic blocks; 50: ResNet-50's bottleneck blocks (3, 4, 6, 3 per stage)
     width: int = 64          # channels of the first stage (doubled at each of the next three)
     image_size: int = 224
     classes: int = 1000
@@ -38,11 +39,13 @@ SIZES = {
         "tiny": ResNetConfig(blocks=1, width=8, image_size=16, classes=10, batch=4),
         "small": ResNetConfig(blocks=2, width=32, image_size=32, classes=100, batch=16),
         "full": ResNetConfig(),
+        "medium": ResNetConfig(depth=50),            # ResNet-50 (25.6M parameters), 224 px
     },
     "gpt2": {
         "tiny": GPT2Config(layers=2, width=32, heads=2, vocab=128, seq_len=16, batch=2),
         "small": GPT2Config(layers=4, width=256, heads=4, vocab=4096, seq_len=128, batch=4),
         "full": GPT2Config(),
+        "medium": GPT2Config(layers=24, width=1024, heads=16, batch=2),  # GPT-2 medium (355M)
     },
 }
 
@@ -69,6 +72,35 @@ class BasicBlock(nnx.Module):
         return nnx.relu(y + s)
 
 
+class Bottleneck(nnx.Module):
+    """ResNet-50's block: 1x1 conv down to ``mid`` channels, 3x3 conv (the stride), 1x1 conv up to
+    4 * mid, each with BatchNorm, plus the (projected) shortcut."""
+
+    def __init__(self, cin: int, mid: int, stride: int, *, rngs: nnx.Rngs):
+        cout = 4 * mid
+        self.conv1 = nnx.Conv(cin, mid, (1, 1), use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(mid, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(mid, mid, (3, 3), strides=stride, use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(mid, momentum=0.9, rngs=rngs)
+        self.conv3 = nnx.Conv(mid, cout, (1, 1), use_bias=False, rngs=rngs)
+        self.bn3 = nnx.BatchNorm(cout, momentum=0.9, rngs=rngs)
+        self.project = stride != 1 or cin != cout
+        if self.project:
+            self.shortcut = nnx.Conv(cin, cout, (1, 1), strides=stride, use_bias=False, rngs=rngs)
+            self.shortcut_bn = nnx.BatchNorm(cout, momentum=0.9, rngs=rngs)
+
+    def __call__(self, x):
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = nnx.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        s = self.shortcut_bn(self.shortcut(x)) if self.project else x
+        return nnx.relu(y + s)
+
+
+#: Bottleneck blocks per stage of ResNet-50.
+RESNET50_STAGES = (3, 4, 6, 3)
+
+
 class ResNet(nnx.Module):
     def __init__(self, cfg: ResNetConfig, *, rngs: nnx.Rngs):
         w = cfg.width
@@ -78,7 +110,14 @@ class ResNet(nnx.Module):
         self.stem = nnx.Conv(3, w, k, strides=s, use_bias=False, rngs=rngs)
         self.stem_bn = nnx.BatchNorm(w, momentum=0.9, rngs=rngs)
         blocks, cin = [], w
+        if cfg.depth not in (18, 50):
+            raise ValueError(f"ResNet depth {cfg.depth} is not built here; 18 (basic blocks) or 50 (bottleneck)")
         for stage in range(4):
+            if cfg.depth == 50:
+                for b in range(RESNET50_STAGES[stage]):
+                    blocks.append(Bottleneck(cin, w << stage, 2 if (stage > 0 and b == 0) else 1, rngs=rngs))
+                    cin = 4 * (w << stage)
+                continue
             cout = w << stage
             for b in range(cfg.blocks):
                 blocks.append(BasicBlock(cin, cout, 2 if (stage > 0 and b == 0) else 1, rngs=rngs))

@@ -6,6 +6,9 @@ The collective that sums a bucket is the only thing that changes between the mod
 
 - ``psum``: ``lax.psum`` (XLA's all-reduce);
 - ``blink``: ``jax_blink.all_reduce``, written into the step;
+- ``overlap``: ``jax_blink.all_reduce_start`` / ``all_reduce_done`` per bucket
+  (``bucketed_all_reduce(overlap=True)``): started as each bucket's gradients exist, awaited at
+  the update, done k after start k + 1; on GPUs the all-reduces run on a side stream;
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
@@ -35,7 +38,7 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "switch", "none")
+MODES = ("psum", "blink", "overlap", "switch", "none")
 
 
 def build_loss(model: str):
@@ -71,6 +74,8 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
         return lambda buf: all_reduce(buf, axis)
     if mode == "none":
         return lambda buf: buf
+    if mode == "overlap":  # step_fn sums the buckets itself (start / done pairs)
+        return lambda buf: all_reduce(buf, axis)
     raise ValueError(f"unknown collective mode {mode!r}; one of {MODES}")
 
 
@@ -160,8 +165,12 @@ class DataParallel:
 
             (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
             # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
-            summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
-                                       ordered=mode == "blink")
+            if mode == "overlap":
+                summed = _buckets.bucketed_all_reduce({"grads": grads, "stats": stats}, axis, layout=layout,
+                                                      overlap=True)
+            else:
+                summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
+                                           ordered=mode == "blink")
             grads, stats = jax.tree.map(lambda v: v / n, (summed["grads"], summed["stats"]))
             updates, opt = tx.update(grads, state["opt"], params)
             return ({"params": optax.apply_updates(params, updates), "stats": stats, "opt": opt},
@@ -193,4 +202,4 @@ class DataParallel:
         """How many all-reduces and jax_blink custom calls the compiled step of ``mode`` has."""
         text = self.compiled(mode).as_text()
         return {"all-reduce": len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
-                "jax_blink": len(re.findall(r'custom_call_target="jax_blink_collective', text))}
+                "jax_blink": len(re.findall(r'custom_call_target="jax_blink_(?:collective|start)', text))}

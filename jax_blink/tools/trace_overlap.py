@@ -1,0 +1,153 @@
+"""How much of jax_blink's kernel time ran beside other kernels: the overlap figure of a profile.
+
+Reads a trace of ``jax.profiler`` (the ``*.trace.json.gz`` file it writes, Chrome's trace format:
+complete events ``"ph": "X"`` with ``ts`` and ``dur`` in microseconds, per process ``pid``, the
+processes named by ``"ph": "M"`` metadata events such as ``/device:GPU:0``)::
+
+    from jax_blink.tools import trace_overlap
+    summary = trace_overlap.summarize(trace_overlap.load("run/plugins/profile/.../host.trace.json.gz"))
+    print(trace_overlap.describe(summary))
+
+For each GPU (a process whose name holds ``/device:GPU``; every process where no name says so),
+our kernels' busy time (the union of their intervals), the other kernels' busy time, and the part
+of ours that lies inside the other kernels' union: ``overlap = that / ours``. Memory copies and sets
+do not count as compute. 1.0: every microsecond of our kernels ran beside a compute kernel;
+0.0: none did (a synchronous call between two kernels on one stream).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+#: The CUDA executor's kernels (kernels/cuda/device_kernels.cuh), as the profiler names them.
+OUR_KERNELS = re.compile(r"\b(?:collective|ll|oneshot|one_shot|twoshot|two_shot|one_rank)_kernel\b")
+#: Events on a GPU that are not compute: copies and sets.
+NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)")
+
+
+def load(path) -> dict:
+    """The trace at ``path`` (``.json`` or ``.json.gz``) as a dict with ``traceEvents``."""
+    p = Path(path)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    trace = json.loads(raw)
+    if isinstance(trace, list):  # the bare-array form of the format
+        trace = {"traceEvents": trace}
+    if "traceEvents" not in trace:
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents)")
+    return trace
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(xs, ys) -> float:
+    """Length of (union xs) & (union ys), both sorted and disjoint."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
+    """Per GPU and in all: our kernels' busy time, the other kernels' busy time and the overlap.
+
+    Args:
+        trace: A loaded trace (:func:`load`).
+        ours: The pattern of our kernels' names.
+
+    Returns:
+        ``{"devices": {name: {"ours_us", "compute_us", "beside_us", "overlap", "our_kernels"}},
+        "ours_us", "beside_us", "overlap"}``; ``overlap`` is None where no kernel of ours ran.
+    """
+    events = trace["traceEvents"]
+    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpus = {pid for pid, n in names.items() if "/device:GPU" in n}
+    per: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e or (gpus and e.get("pid") not in gpus):
+            continue
+        d = per.setdefault(e.get("pid"), {"ours": [], "compute": []})
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        name = str(e.get("name", ""))
+        if ours.search(name):
+            d["ours"].append(span)
+        elif not NOT_COMPUTE.search(name):
+            d["compute"].append(span)
+    out: dict = {"devices": {}}
+    total_ours = total_beside = 0.0
+    for pid, d in sorted(per.items(), key=lambda kv: str(kv[0])):
+        if not d["ours"]:
+            continue
+        o, c = _union(d["ours"]), _union(d["compute"])
+        ours_us, beside = _length(o), _intersection(o, c)
+        out["devices"][names.get(pid, str(pid))] = {
+            "ours_us": ours_us, "compute_us": _length(c), "beside_us": beside,
+            "overlap": beside / ours_us if ours_us else None, "our_kernels": len(d["ours"])}
+        total_ours += ours_us
+        total_beside += beside
+    out["ours_us"], out["beside_us"] = total_ours, total_beside
+    out["overlap"] = total_beside / total_ours if total_ours else None
+    return out
+
+
+def describe(summary: dict) -> str:
+    """One line: the overlap figure, our kernel time and the devices it was measured on."""
+    if summary["overlap"] is None:
+        return "no jax_blink kernel in the trace (no GPU kernels, or the step ran none)"
+    n = len(summary["devices"])
+    return (f"overlap {summary['overlap']:.1%}: {summary['beside_us'] / 1e3:.3f} ms of "
+            f"{summary['ours_us'] / 1e3:.3f} ms of jax_blink kernel time ran beside other kernels "
+            f"(sum over {n} GPU(s))")
+
+
+def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:
+    """A picture of the trace's GPU kernels (one row per GPU: compute in grey, ours in red above it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = trace["traceEvents"]
+    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpus = sorted((pid for pid, n in names.items() if "/device:GPU" in n), key=lambda p: names[p]) or \
+        sorted({e.get("pid") for e in events if e.get("ph") == "X"}, key=str)
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpus]
+    t0 = min((float(e["ts"]) for e in spans), default=0.0)
+    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(gpus)))
+    for row, pid in enumerate(gpus):
+        for e in spans:
+            if e.get("pid") != pid:
+                continue
+            name = str(e.get("name", ""))
+            mine = bool(ours.search(name))
+            if not mine and NOT_COMPUTE.search(name):
+                continue
+            ax.broken_barh([((float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3)],
+                           (row + (0.45 if mine else 0.0), 0.4), color="tab:red" if mine else "0.6")
+    ax.set_yticks([r + 0.4 for r in range(len(gpus))], [names.get(p, str(p)) for p in gpus])
+    ax.set_xlabel("ms since the first kernel (measured, jax.profiler)")
+    ax.set_title(title or "GPU kernels: compute (grey), jax_blink (red)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,77 @@
+"""The overlap figure of a profile (jax_blink/tools/trace_overlap.py) on synthetic traces: checked
+against a brute-force count over a microsecond grid, on fresh random kernels."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from jax_blink.tools import trace_overlap
+
+
+def _trace(rng, gpus: int = 2):
+    events = [{"ph": "M", "name": "process_name", "pid": 100 + g, "args": {"name": f"/device:GPU:{g}"}}
+              for g in range(gpus)]
+    events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}})
+    for pid in [100 + g for g in range(gpus)] + [1]:
+        for _ in range(40):
+            ts, dur = int(rng.integers(0, 2000)), int(rng.integers(1, 120))
+            name = rng.choice(["void jax_blink::cuda::collective_kernel<float, 0>(Params)", "ll_kernel",
+                               "fusion_12", "cutlass_80_gemm", "MemcpyD2D", "loop_add_fusion"])
+            events.append({"ph": "X", "pid": pid, "tid": int(rng.integers(0, 3)), "ts": ts, "dur": dur,
+                           "name": str(name)})
+    return {"traceEvents": events}
+
+
+def _brute(trace, pid):
+    ours, comp = np.zeros(3000, bool), np.zeros(3000, bool)
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e["pid"] != pid:
+            continue
+        sl = slice(e["ts"], e["ts"] + e["dur"])
+        if trace_overlap.OUR_KERNELS.search(e["name"]):
+            ours[sl] = True
+        elif not e["name"].startswith("Memcpy"):
+            comp[sl] = True
+    return ours.sum(), (ours & comp).sum()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlap_matches_brute_force(seed, tmp_path):
+    rng = np.random.default_rng(seed)
+    trace = _trace(rng)
+    path = tmp_path / "t.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    s = trace_overlap.summarize(trace_overlap.load(path))
+    assert set(s["devices"]) == {"/device:GPU:0", "/device:GPU:1"}  # the host process is left out
+    tot_ours = tot_beside = 0
+    for g in range(2):
+        ours, beside = _brute(trace, 100 + g)
+        d = s["devices"][f"/device:GPU:{g}"]
+        assert d["ours_us"] == pytest.approx(ours) and d["beside_us"] == pytest.approx(beside)
+        tot_ours, tot_beside = tot_ours + ours, tot_beside + beside
+    assert s["overlap"] == pytest.approx(tot_beside / tot_ours)
+    assert 0.0 < s["overlap"] < 1.0
+    assert "overlap" in trace_overlap.describe(s)
+
+
+def test_serial_and_parallel_extremes():
+    serial = {"traceEvents": [{"ph": "X", "pid": 0, "ts": 0, "dur": 10, "name": "fusion"},
+                              {"ph": "X", "pid": 0, "ts": 10, "dur": 5, "name": "oneshot_kernel"}]}
+    beside = {"traceEvents": [{"ph": "X", "pid": 0, "ts": 0, "dur": 10, "name": "fusion"},
+                              {"ph": "X", "pid": 0, "ts": 2, "dur": 5, "name": "oneshot_kernel"}]}
+    assert trace_overlap.summarize(serial)["overlap"] == 0.0
+    assert trace_overlap.summarize(beside)["overlap"] == 1.0
+    assert trace_overlap.summarize({"traceEvents": []})["overlap"] is None
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        p = __import__("pathlib").Path(__import__("tempfile").mkdtemp()) / "x.json"
+        p.write_text("{}")
+        trace_overlap.load(p)
+
+
+def test_timeline_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = _trace(np.random.default_rng(5))
+    out = tmp_path / "timeline.png"
+    trace_overlap.timeline_png(trace, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

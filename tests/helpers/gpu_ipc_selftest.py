@@ -1,23 +1,24 @@
-"""Two processes run every jax_blink collective through CUDA IPC (needs a CUDA GPU).
+"""Two or more processes run every jax_blink collective through CUDA IPC (needs a CUDA GPU).
 
-    python tests/helpers/gpu_ipc_selftest.py [--shared] [--out benchmarks/results/ipc-selftest-<machine>.json]
+    python tests/helpers/gpu_ipc_selftest.py [--processes N] [--shared] [--out benchmarks/results/ipc-selftest-<machine>.json]
                                      [--bench-out benchmarks/results/allreduce-ipc-<machine>-<date>.json]
 
-Starts a jax.distributed job of two processes on loopback. With two or more GPUs each process
-takes its own (``local_device_ids=[pid]``), and XLA's psum/pmax/pmin (NCCL) must agree with ours.
-With one GPU (or ``--shared``) both share GPU 0
-(``local_device_ids=[0]``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): jax lists 2 GPUs and a
+Starts a jax.distributed job of N processes (default 2) on loopback. With N or more GPUs each
+process takes its own (``local_device_ids=[pid]``), and XLA's psum/pmax/pmin (NCCL) must agree
+with ours (not under IPC_SELFTEST_QUICK=1, unless IPC_SELFTEST_LAX=1: NCCL under a sanitizer only
+adds time). With fewer GPUs (or ``--shared``) all share GPU 0
+(``local_device_ids=[0]``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``): jax lists N GPUs and a
 ``shard_map`` over them runs, each process driving its own device. XLA's psum cannot run there
 (NCCL refuses a duplicate GPU), so results are checked against numpy (float64 for the float sums),
-and the two processes compare their results bit for bit through the job's key-value store where
-they must agree (all_reduce, all_gather, broadcast). Every collective (all_reduce, all_gather,
+and every process compares its result with every other's bit for bit through the job's
+key-value store where they must agree (all_reduce, all_gather, broadcast). Every collective (all_reduce, all_gather,
 reduce_scatter, broadcast, reduce; sum/max/min where it reduces; tiled and untiled layouts, both
 roots for float32), every dtype, pieces of 7, 1031 and 2^20 elements (the last for float32 and
 bfloat16), with JAX_BLINK_FALLBACK=raise and JAX_BLINK_DISPATCH=blink (no quiet fall-back); the
 optimized program must hold the IPC custom call. Exits 0 when both processes pass. Under
 compute-sanitizer (IPC_SELFTEST_QUICK=1: float32 and bfloat16, 7 and 1031 elements, every
 collective once):
-``IPC_SELFTEST_QUICK=1 compute-sanitizer --tool memcheck --target-processes all python tests/helpers/gpu_ipc_selftest.py``.
+``IPC_SELFTEST_QUICK=1 compute-sanitizer --tool memcheck --target-processes all python tests/helpers/gpu_ipc_selftest.py --processes 4``.
 
 Timing (two GPUs, or IPC_SELFTEST_TIMING=only: no checks, ours alone where NCCL cannot run): a
 20-call chain of all_reduce against lax.psum, float32, 1 KiB-256 MiB per rank; IPC_SELFTEST_PROFILE=1
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -46,10 +49,10 @@ EXTRA_CASES = (("all_gather", {"tiled": True}), ("reduce_scatter", {"tiled": Fal
 QUICK_CASES = CASES[:7]
 
 
-def _operand_shape(what: str, kw: dict, size: int) -> tuple[int, ...]:
+def _operand_shape(what: str, kw: dict, size: int, nproc: int = 2) -> tuple[int, ...]:
     """A rank's operand for ``size`` elements per piece: reduce_scatter's holds one piece per rank."""
     if what == "reduce_scatter":
-        return (2 * size,) if kw["tiled"] else (2, size)
+        return (nproc * size,) if kw["tiled"] else (nproc, size)
     return (size,)
 
 
@@ -76,14 +79,14 @@ def _numpy_reference(what: str, kw: dict, data, pid: int):
     if what == "all_gather":
         return data.reshape((-1,) + data.shape[2:]) if kw["tiled"] else data
     if what == "reduce_scatter":
-        return total.reshape(2, -1)[pid] if kw["tiled"] else total[pid]
+        return total.reshape(data.shape[0], -1)[pid] if kw["tiled"] else total[pid]
     if what == "broadcast":
         return data[kw["root"]]
     return total if pid == kw["root"] else data[pid]  # reduce
 
 
 def _same_on_every_rank(what: str, kw: dict) -> bool:
-    """Whether both ranks must hold the same result (compared bit for bit through the store)."""
+    """Whether every rank must hold the same result (compared bit for bit through the store)."""
     return what in ("all_reduce", "all_gather", "broadcast")
 
 
@@ -96,7 +99,7 @@ def _close(got, want, dname: str, exact: bool) -> bool:
     return np.allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
 
 
-def child(pid: int, port: int, distinct: bool) -> dict:
+def child(pid: int, port: int, distinct: bool, nproc: int = 2) -> dict:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ["JAX_BLINK_FALLBACK"] = "raise"
     os.environ["JAX_BLINK_DISPATCH"] = "blink"
@@ -107,19 +110,21 @@ def child(pid: int, port: int, distinct: bool) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                                local_device_ids=[pid if distinct else 0])
     from jax_blink.lowering import backends as _backends
     from jax_blink.lowering import processes as distributed
     from jax_blink.options import settings as options
 
     client = distributed._client()
-    assert jax.device_count() == 2, jax.devices()
+    assert jax.device_count() == nproc, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rng = np.random.default_rng(7)
     failures, checks, seen_ipc = [], 0, set()
     quick = os.environ.get("IPC_SELFTEST_QUICK") == "1"  # under compute-sanitizer: fewer cases
     timing = os.environ.get("IPC_SELFTEST_TIMING", "auto")  # auto (two GPUs), only (no checks), off
+    # NCCL beside ours where each process has its own GPU; not under the sanitizer's quick set
+    with_lax = distinct and os.environ.get("IPC_SELFTEST_LAX", "0" if quick else "1") == "1"
     dtypes = (("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
               ("float64", np.float64), ("int32", np.int32), ("int64", np.int64))
     for dname, dt in () if timing == "only" else dtypes[:2] if quick else dtypes:
@@ -128,14 +133,14 @@ def child(pid: int, port: int, distinct: bool) -> dict:
                 continue
             cases = QUICK_CASES if quick else CASES + (EXTRA_CASES if dname == "float32" else ())
             for what, kw in cases:
-                shape = _operand_shape(what, kw, size)
+                shape = _operand_shape(what, kw, size, nproc)
                 if dt in (np.int32, np.int64):
-                    data = rng.integers(-1000, 1000, size=(2,) + shape).astype(dt)
+                    data = rng.integers(-1000, 1000, size=(nproc,) + shape).astype(dt)
                 else:
-                    data = rng.standard_normal((2,) + shape).astype(dt)
+                    data = rng.standard_normal((nproc,) + shape).astype(dt)
                 name = f"{dname}/{size}/{what}/" + ",".join(f"{k}={v}" for k, v in kw.items())
                 spec = P("x")
-                x = jax.make_array_from_callback((2 * shape[0],) + shape[1:], NamedSharding(mesh, spec),
+                x = jax.make_array_from_callback((nproc * shape[0],) + shape[1:], NamedSharding(mesh, spec),
                                                  lambda idx: data.reshape((-1,) + shape[1:])[idx])
                 f = jax.jit(jax.shard_map(_ours(what, kw), mesh=mesh, in_specs=spec, out_specs=spec))
                 if what not in seen_ipc:  # the optimized program must hold the IPC custom call
@@ -143,7 +148,7 @@ def child(pid: int, port: int, distinct: bool) -> dict:
                     if _backends.TARGET_IPC not in f.lower(x).compile().as_text():
                         failures.append(f"{what}: no {_backends.TARGET_IPC} in the optimized program")
                 got = np.asarray(f(x).addressable_shards[0].data)
-                if distinct:  # two GPUs: XLA's own collective (NCCL) runs too, and must agree
+                if with_lax:  # one GPU each: XLA's own collective (NCCL) runs too, and must agree
                     with options.override(dispatch="lax"):  # the same call, as lax's expression
                         g = jax.jit(jax.shard_map(_ours(what, kw), mesh=mesh, in_specs=spec,
                                                   out_specs=spec)).lower(x).compile()
@@ -159,16 +164,16 @@ def child(pid: int, port: int, distinct: bool) -> dict:
                 same = True
                 if _same_on_every_rank(what, kw):  # the other process's bits, through the store
                     client.key_value_set_bytes(f"selftest/{name}/{pid}", got.tobytes())
-                    other = client.blocking_key_value_get_bytes(f"selftest/{name}/{1 - pid}", 60_000)
-                    same = other == got.tobytes()
+                    same = all(client.blocking_key_value_get_bytes(f"selftest/{name}/{q}", 60_000) == got.tobytes()
+                               for q in range(nproc) if q != pid)
                 checks += 1
                 if not (ok and same):
                     failures.append(f"{name}: {'wrong values' if not ok else ''} {'ranks differ' if not same else ''}")
     timed = timing == "only" or (timing == "auto" and distinct and not quick)
     timings = _time_against_lax(mesh, lax_too=distinct) if timed else []
-    return {"ok": not failures, "process": pid, "checks": checks, "failures": failures, "timings": timings,
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "gpus": "one per process" if distinct else "both processes on GPU 0"}
+    return {"ok": not failures, "process": pid, "processes": nproc, "checks": checks, "failures": failures,
+            "timings": timings, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "gpus": "one per process" if distinct else "every process on GPU 0"}
 
 
 def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
@@ -192,7 +197,7 @@ def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
         n = nbytes // 4
         ours = timing.chained(lambda v, a: jax_blink.all_reduce(v, a) * 0.5, mesh, "x", k)
         lax_ = timing.chained(lambda v, a: jax.lax.psum(v, a) * 0.5, mesh, "x", k)
-        data = np.random.default_rng(1).standard_normal(2 * n).astype(np.float32)
+        data = np.random.default_rng(1).standard_normal(mesh.devices.size * n).astype(np.float32)
         # (not device_put: in a job of processes it checks the value through XLA's collectives,
         # which cannot run where both processes share a GPU)
         x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P("x")), lambda idx: data[idx])
@@ -241,19 +246,24 @@ def _gpu_count() -> int:
 
 def main() -> int:
     if len(sys.argv) >= 3 and sys.argv[1] == "--child":
-        r = child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "distinct")
+        r = child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "distinct", int(sys.argv[5]))
         print("RESULT " + json.dumps(r), flush=True)
         return 0 if r["ok"] else 1
     import argparse
 
     ap = argparse.ArgumentParser(prog="python tests/helpers/gpu_ipc_selftest.py",
                                  description=__doc__.split("\n\n")[0])
+    ap.add_argument("--processes", type=int, default=2, metavar="N",
+                    help="processes in the job, 2 or more (default 2); one GPU each where there are N")
     ap.add_argument("--shared", action="store_true",
-                    help="both processes on GPU 0 even where there are two GPUs")
+                    help="every process on GPU 0 even where there are enough GPUs")
     ap.add_argument("--out", metavar="JSON", help="write the summary here")
     ap.add_argument("--bench-out", metavar="JSON",
                     help="write the timings (two GPUs) as a bench result for python -m jax_blink crossover")
     args = ap.parse_args()
+    nproc = args.processes
+    if nproc < 2:
+        ap.error(f"--processes must be 2 or more, got {nproc}")
     for path in (args.out, args.bench_out):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
@@ -261,29 +271,43 @@ def main() -> int:
     if _gpu_count() == 0:
         ap.error("needs a CUDA GPU (nvidia-smi lists none); tests/gpu/test_cuda_ipc.py skips without one")
     out = args.out
-    # With two GPUs each process takes its own (one process per GPU, as launchers run jobs);
-    # with one, both share GPU 0. --shared forces the shared layout.
-    distinct = _gpu_count() >= 2 and not args.shared
+    # With N GPUs each process takes its own (one process per GPU, as launchers run jobs);
+    # with fewer, all share GPU 0. --shared forces the shared layout.
+    distinct = _gpu_count() >= nproc and not args.shared
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.time()
+    # Output to files, not pipes: a child blocked on a full pipe would stall its peers.
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
     procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), str(port),
-                              "distinct" if distinct else "shared"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in range(2)]
-    results = []
+                              "distinct" if distinct else "shared", str(nproc)], stdout=log,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for i, log in enumerate(logs)]
+    deadline = time.monotonic() + 600
+    timed_out = False
     for p in procs:
         try:
-            text, _ = p.communicate(timeout=600)
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            print("self-test did not finish in 600 s")
-            return 1
+            timed_out = True
+            break
+    for p in procs:  # every child's process group killed where it is still there, then reaped
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    results = []
+    for log in logs:
+        log.seek(0)
+        text = log.read()
+        log.close()
         lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         results.append(json.loads(lines[-1][7:]) if lines else {"ok": False, "output": text[-4000:]})
-    summary = {"command": "python tests/helpers/gpu_ipc_selftest.py", "seconds": round(time.time() - t0, 1),
-               "ok": all(r.get("ok") for r in results), "processes": results}
+    if timed_out:
+        print("self-test did not finish in 600 s")
+    summary = {"command": f"python tests/helpers/gpu_ipc_selftest.py --processes {nproc}",
+               "seconds": round(time.time() - t0, 1), "ok": not timed_out and all(r.get("ok") for r in results),
+               "processes": results}
     print(json.dumps(summary, indent=1))
     if out:
         with open(out, "w") as f:
@@ -296,11 +320,12 @@ def main() -> int:
 def _write_bench_json(path: str, results: list[dict]) -> None:
     """The timings as a bench result of layout "several processes", which jax_blink.lowering.dispatch_table.derive
     reads (``python -m jax_blink crossover PATH``): one row per process and size."""
-    rows = [{"size": t["bytes_per_rank"], "count": t["bytes_per_rank"] // 4, "dtype": "float32", "n": 2,
+    n = results[0].get("processes", 2)
+    rows = [{"size": t["bytes_per_rank"], "count": t["bytes_per_rank"] // 4, "dtype": "float32", "n": n,
              "process": r["process"], "time_us": t["ours_us"], "lax_time_us": t["lax_us"],
              "speedup": t["speedup"], "wrong": 0 if t["same"] else 1}
             for r in results for t in r.get("timings", []) if "lax_us" in t]
-    meta = {"device_kind": results[0].get("device"), "n": 2, "jax": results[0].get("jax"), "k": 20,
+    meta = {"device_kind": results[0].get("device"), "n": n, "jax": results[0].get("jax"), "k": 20,
             "collective": "allreduce", "layout": "several processes", "date": time.strftime("%Y-%m-%d"),
             "method": "tests/helpers/gpu_ipc_selftest.py, one process per GPU (jax.distributed on loopback): a 20-call "
                       "chain of jax_blink.all_reduce (CUDA IPC) and of lax.psum (NCCL), taking turns, median "

@@ -105,14 +105,14 @@ def dispatch(collective: str, n: int, nbytes: int, dtype: str, kind: str | None,
     c = choice(collective, n, dtype, kind, ranks_layout)
     if c.source == "meanwhile":
         _warn_no_entry(c.machine)
-    where = {"tuned": f"this machine's tuned entry ({dispatch_cache.cache_file()})",
-             "shipped": "the table (jax_blink/lowering/dispatch_table.py)",
+    where = {"tuned": f"this machine's tuned entry, {dispatch_cache.cache_file()}",
+             "shipped": "the shipped entry, jax_blink/lowering/dispatch_entries.json",
              "meanwhile": f"no entry for {c.machine.describe()}: the meanwhile rule, from every "
                           f"{c.machine.platform} machine measured; `{TUNE_COMMAND}` measures this one"}[c.source]
     if c.entry.prefers_lax(nbytes):
-        return Decision(False, f"dispatch=auto: {LAX_NAME[collective]} at {nbytes} bytes per rank on {n} x {kind}, "
-                               f"as {where} has it")
-    return Decision(True, f"dispatch=auto: the executor at {nbytes} bytes per rank on {n} x {kind}, as {where} has it")
+        return Decision(False, f"dispatch=auto: {LAX_NAME[collective]} at {nbytes} bytes per rank on {n} x {kind} "
+                               f"({where})")
+    return Decision(True, f"dispatch=auto: the executor at {nbytes} bytes per rank on {n} x {kind} ({where})")
 
 
 def use_lax(collective: str, n: int, x, axes: tuple[str, ...] | None = None) -> bool:

@@ -47,7 +47,8 @@ class MachineKey:
         """The key in words: ``4 x NVIDIA H200, NV18 switch, one process`` (and the versions)."""
         text = f"{self.ranks} x {self.device_kind}, {self.links or 'links unknown'}, {self.layout}"
         if versions:
-            text += f", jax {self.jax or UNKNOWN}, NCCL {self.nccl or UNKNOWN}"
+            text += f", jax {self.jax or UNKNOWN}"
+            text += "" if self.platform == "cpu" else f", NCCL {self.nccl or UNKNOWN + ' (no nvidia-nccl wheel)'}"
         return text
 
 

@@ -14,6 +14,12 @@ median of the program times, in percent (0 with fewer than 4 runs).
 (t(K2) - t(K)) / (K2 - K), for ours and lax: the program's fixed cost (dispatch, the devices'
 launch skew, the final sync) is set apart, which matters when a call takes microseconds.
 
+``--dispatch auto`` times what a user's call runs instead of the executor itself: ours is traced
+under ``dispatch="auto"`` (this machine's tuned entry, the shipped table, or the meanwhile rule
+where there is none) and a column names the path each size took (``executor`` or ``lax``, read
+from the compiled program), so the table is checked the way users meet it. Such runs derive no
+entry (``crossover`` refuses them).
+
 ``--tune-chunks`` also tunes the pipelining chunk per size (:func:`jax_blink.tools.autotune.tune_chunk`,
 which stores it for ``JAX_BLINK_CHUNK_BYTES=auto``) and reports the time at the tuned chunk beside
 the time at the fixed one.
@@ -38,6 +44,7 @@ from jax_blink.tools import autotune
 from jax_blink.tools.timing import (COLLECTIVES, Collective, chained, check_against_lax as _check,  # noqa: F401
                                     interleaved_times,
                                     median_time, spread)
+from jax_blink.lowering.machine import links_here, nccl_version
 from jax_blink.options.settings import config, parse_byte_count
 from jax_blink.planning.schedule import DEFAULT_CHUNK_BYTES
 
@@ -45,6 +52,19 @@ from jax_blink.planning.schedule import DEFAULT_CHUNK_BYTES
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64")
 _X64_DTYPES = ("float64", "int64")
 PROG = "python -m jax_blink.tools.bench"
+#: What ``--dispatch`` takes: ``blink`` times the executor itself (what entries are derived from),
+#: ``auto`` what ``dispatch="auto"`` runs on this machine.
+DISPATCH_MODES = ("blink", "auto")
+#: The custom call's name in a compiled program: present exactly where jax_blink's executor runs.
+CUSTOM_CALL = "jax_blink_collective"
+
+
+def run_machine(devices) -> dict:
+    """What a bench file records of the machine, for the dispatch table's key
+    (:class:`jax_blink.lowering.machine.MachineKey`): links, layout and NCCL version."""
+    platform = "cpu" if devices[0].platform == "cpu" else "gpu"
+    return dict(links=links_here(platform, len(devices)), layout="one process",
+                nccl=None if platform == "cpu" else nccl_version())
 
 
 def parse_size(text: str) -> int:
@@ -107,13 +127,15 @@ def _trial_log(res: autotune.MiadResult) -> str:
 def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         out_dir: str | None, kind: str | None, command_buffers: bool = False,
         ceiling: float | None = None, collective: str = "allreduce", slope_k: int | None = None,
-        tune_chunks: bool = False, min_seconds: float = 0.2) -> list[dict]:
+        tune_chunks: bool = False, min_seconds: float = 0.2, dispatch: str = "blink") -> list[dict]:
     if begin < 1 or end < begin or factor < 2 or k < 1 or runs < 1 or not min_seconds >= 0:
         raise ValueError(f"run() needs 1 <= begin <= end, factor >= 2, k >= 1, runs >= 1 and "
                          f"min_seconds >= 0; got begin={begin}, end={end}, factor={factor}, k={k}, "
                          f"runs={runs}, min_seconds={min_seconds}")
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -121,9 +143,10 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
     sharding = NamedSharding(mesh, P("x"))
-    # The executor itself ("blink"), not the size dispatch of jax_blink.lowering.dispatch_table: that is what is measured.
+    # The executor itself ("blink"), not the size dispatch of jax_blink.lowering.dispatch_table: that is
+    # what an entry is derived from. With dispatch="auto": what a user's call runs, the table checked.
     coll = COLLECTIVES[collective]
-    ours_fn = chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink")
+    ours_fn = chained(coll.chain(coll.ours), mesh, "x", k, dispatch=dispatch)
     psum_fn = chained(coll.chain(coll.ref), mesh, "x", k)
     cb_fn = (chained(coll.chain(coll.ours), mesh, "x", k, command_buffers=True, dispatch="blink")
              if command_buffers else None)
@@ -131,10 +154,14 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     # the program's fixed cost (dispatch, the GPUs' launch skew, the final sync) is set apart.
     if slope_k is not None and slope_k <= k:
         raise SystemExit(f"--slope K2 must be larger than -k ({k}), got {slope_k}")
-    ours2_fn = chained(coll.chain(coll.ours), mesh, "x", slope_k, dispatch="blink") if slope_k else None
+    ours2_fn = chained(coll.chain(coll.ours), mesh, "x", slope_k, dispatch=dispatch) if slope_k else None
+    auto = dispatch == "auto"
     psum2_fn = chained(coll.chain(coll.ref), mesh, "x", slope_k) if slope_k else None
     rng = np.random.default_rng(0)
     rows = []
+    if auto:
+        print("# --dispatch auto: ours is jax_blink as dispatch=\"auto\" runs it; 'auto ran' names the path "
+              "read from each size's compiled program (executor or lax)")
     print(f"# jax_blink.tools.bench: {collective}, ours vs lax (psum, all_gather, psum_scatter), {n} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, {k} chained calls, median of {runs}+ runs (more until {min_seconds:g} s per variant), "
           f"ours and lax taking turns")
@@ -143,6 +170,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
           f"); algbw = size / time, busbw = algbw x {coll.bus_factor(n):.3g}")
     print(f"# {'bytes/rank':>10} {'size':>10} {'count':>11} {'dtype':>8} {'time(us)':>10} {'algbw':>8} {'busbw':>8} "
           f"{'lax(us)':>10} {'l.busbw':>8} {'speedup':>8} {'#wrong':>7} {'spread%':>9}"
+          + (f" {'auto ran':>9}" if auto else "")
           + (f" {'cb(us)':>9}" if command_buffers else "")
           + (f" {'slope':>7} {'l.slope':>7} {'s.spdup':>7}" if slope_k else "")
           + (f" {'tuned(B)':>9} {'t.us':>10} {'t.spdup':>7}" if tune_chunks else ""))
@@ -161,6 +189,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                 host = rng.standard_normal((n * count,), dtype=np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
+            path = ("executor" if CUSTOM_CALL in ours_fn.lower(x).as_text() else "lax") if auto else "executor"
             # Ours and lax (and the K2-call programs) take turns, run by run: see interleaved_times.
             fns = [ours_fn, psum_fn] + ([ours2_fn, psum2_fn] if slope_k else [])
             timed = interleaved_times(fns, x, runs, min_seconds)
@@ -183,7 +212,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                        spread=spread(times_ours), lax_spread=spread(times_psum),
                        cb_time_us=t_cb * 1e6, slope_us=s_ours * 1e6, lax_slope_us=s_psum * 1e6,
                        slope_speedup=s_psum / s_ours if s_ours > 0 else float("nan"), runs=len(times_ours),
-                       bytes_per_rank=count * jnp.dtype(dtype).itemsize)
+                       bytes_per_rank=count * jnp.dtype(dtype).itemsize, path=path)
             # Tuned: throughput is this row's size per second (autotune.tune_chunk), so size / it is
             # the time per call at the tuned chunk.
             t_tuned = size / tuned.throughput if tuned and tuned.throughput > 0 else float("nan")
@@ -194,6 +223,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
             print(f"  {row['bytes_per_rank']:>10} {size:>10} {count:>11} {dtype:>8} {row['time_us']:>10.1f} {row['algbw']:>8.2f} "
                   f"{row['busbw']:>8.2f} {row['lax_time_us']:>10.1f} {row['lax_busbw']:>8.2f} "
                   f"{row['speedup']:>8.2f} {wrong:>7} {spreads:>9}"
+                  + (f" {path:>9}" if auto else "")
                   + (f" {row['cb_time_us']:>9.1f}" if cb_fn else "")
                   + (f" {row['slope_us']:>7.1f} {row['lax_slope_us']:>7.1f} {row['slope_speedup']:>7.2f}"
                      if slope_k else "")
@@ -210,7 +240,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         print(f"# pinned host memory of the executor (host channel): {host_bytes / 2**20:.1f} MiB per rank")
     if out_dir:
         kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
-        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}")
+        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}"
+                            + ("-auto" if auto else ""))
         os.makedirs(out_dir, exist_ok=True)
         with open(stem + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -219,7 +250,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
                     min_seconds=min_seconds, collective=collective,
                     date=_dt.date.today().isoformat(), staging_bytes=staging, host_bytes=host_bytes,
-                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks)
+                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks, **run_machine(devices),
+                    dispatch=dispatch)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         plot(stem + ".csv", stem + ".png", ceiling)
@@ -336,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slope", type=_cli.whole_number(2, _MAX_CHAIN), default=None, metavar="K2",
                     help="also time K2 chained calls (K2 > K) and report the marginal time per call, "
                          "(t(K2) - t(K)) / (K2 - K), for ours and lax (columns slope, l.slope)")
+    ap.add_argument("--dispatch", default="blink", choices=DISPATCH_MODES,
+                    help="blink (default): time the executor itself, what dispatch entries are derived from; "
+                         "auto: time what dispatch=\"auto\" runs here (this machine's entry, or the meanwhile "
+                         "rule) and name the path per size (column 'auto ran')")
     ap.add_argument("--tune-chunks", action="store_true",
                     help="also tune the chunk per size (MIAD, jax_blink.tools.autotune; stored for "
                          "JAX_BLINK_CHUNK_BYTES=auto) and time ours at it (columns tuned_chunk, "
@@ -346,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 _RUN_OPTIONS = {"begin": "-b/--begin", "end": "-e/--end", "factor": "-f/--factor", "dtype": "-d/--dtype",
                 "chain": "-k/--chain", "runs": "-r/--runs", "min_time": "--min-time", "out": "-o/--out",
                 "kind": "--kind", "collective": "-c/--collective", "command_buffers": "--command-buffers",
-                "slope": "--slope", "tune_chunks": "--tune-chunks"}
+                "slope": "--slope", "tune_chunks": "--tune-chunks", "dispatch": "--dispatch"}
 _PLOT_COLUMNS = ("size", "dtype", "busbw", "time_us")
 
 
@@ -422,7 +458,7 @@ def main(argv=None) -> int:
         for collective in a.collective:  # one table (and one set of files) per collective
             rows = run(a.begin, a.end, a.factor, a.dtype, a.chain,
                        a.runs, a.out, a.kind, a.command_buffers, a.ceiling, collective, a.slope,
-                       a.tune_chunks, a.min_time)
+                       a.tune_chunks, a.min_time, a.dispatch)
             wrong += sum(r["wrong"] for r in rows)
         return 1 if wrong else 0
 

@@ -2,7 +2,8 @@
 paper's result in the model, every collective checked against lax and all_reduce timed against
 lax.psum on the devices here, :mod:`jax_blink.tools.demo`), ``plan``, ``crossover``, ``run
 SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch), and
-``bench`` / ``train``, which forward to ``python -m jax_blink.tools.bench`` / ``.tools.train``.
+``bench`` / ``train``, which forward to ``python -m jax_blink.tools.bench`` / ``.tools.train``, and
+``tune`` (:mod:`jax_blink.tools.tune`: this machine's dispatch entries into the user's cache).
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
 
@@ -217,10 +218,13 @@ def cmd_crossover(args: argparse.Namespace) -> int:
     from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
     from jax_blink.tools.derive import derive
 
+    if args.update:
+        return _update_table(args)
+
     c = derive(args.runs, dtype=args.dtype)  # an unreadable or unfit file: a ValueError naming it (exit 2)
     lax_name = _LAX_NAME.get(c.collective, "lax")
     print(f"# {c.collective}: derived from {len(c.sources)} run(s) of {c.ranks} x {c.device_kind}; "
-          "paste into jax_blink/lowering/dispatch_table.py CROSSOVERS")
+          "--update writes the runs' entries into jax_blink/lowering/dispatch_entries.json")
     print(c.as_code() + ",")
     for lo, hi in c.lax_ranges:
         print(f"# {lax_name} for {lo} <= bytes of a rank's operand" + (f" < {hi}" if hi is not None else ""))
@@ -229,11 +233,36 @@ def cmd_crossover(args: argparse.Namespace) -> int:
     return 0
 
 
+def _update_table(args: argparse.Namespace) -> int:
+    """``crossover --update RUN.json ...``: the runs' entries into the shipped table's file."""
+    from jax_blink.lowering import dispatch_table
+    from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
+    from jax_blink.tools.derive import update
+
+    if args.dtype is not None:
+        raise UsageError("argument --dtype: --update derives every dtype's entries itself; leave --dtype out")
+    root = os.getcwd()
+    outside = [p for p in args.runs if os.path.isabs(p) or os.path.normpath(p).startswith("..")]
+    if outside:
+        raise bad("JSON", outside[0], "takes a path relative to the repository root (run from the checkout), so "
+                                      "that the entries cite files the repository holds")
+    new, replaced = update(args.runs, path=args.table or dispatch_table.SHIPPED_FILE, root=root)
+    where = args.table or os.path.relpath(dispatch_table.SHIPPED_FILE)
+    print(f"# wrote {len(new)} entr{'y' if len(new) == 1 else 'ies'} into {where}"
+          + (f", in place of {len(replaced)}" if replaced else ""))
+    for c in new:
+        which = f" in {c.dtype}" if c.dtype else ""
+        print(f"  {c.ranks} x {c.device_kind} ({c.links or 'links not recorded'}, {c.layout}), {c.collective}{which}: "
+              f"{_LAX_NAME[c.collective]} at {dispatch_table.describe_ranges(c.lax_ranges)}")
+    return 0
+
+
 _EXAMPLES = f"""examples:
   {PROG} demo                      (the main job: the paper in the model, the collectives checked and timed here)
   {PROG} plan --topology dgx1v --devices 0,1,4 --plot trees.png
   {PROG} run --report train.py     (train.py's lax collectives on jax_blink, unedited)
   {PROG} bench -c all -b 1K -e 1M  (= python -m jax_blink.tools.bench)
+  {PROG} tune                      (measure this machine: dispatch="auto" follows its entries from then on)
   {PROG} train --model gpt2        (= python -m jax_blink.tools.train)
   {PROG} COMMAND --help            (every size is bytes per rank: 65536, 512K, 16M, 1G)
 The jax-blink command (installed with the package) is the same as {PROG}.
@@ -298,9 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("runs", nargs="+", metavar="JSON", type=lambda t: input_file("JSON", t, suffix=".json"),
                     help="bench results of one collective on one machine (python -m jax_blink.tools.bench -o DIR "
                          "writes them)")
+    pc.add_argument("--update", action="store_true",
+                    help="derive every machine's and collective's entries from the runs (each dtype's own where "
+                         "its rows differ) and write them into the shipped table, "
+                         "jax_blink/lowering/dispatch_entries.json, in place of the entries of the same machines")
     pc.add_argument("--dtype", default=None, metavar="DTYPE",
                     help="derive the entry for this element type from its rows alone (default: one entry for "
                          "every dtype the runs measured, lax only where lax won in each)")
+    pc.add_argument("--table", default=None, metavar="JSON", help=argparse.SUPPRESS)  # tests: another file
     pc.set_defaults(func=cmd_crossover)
 
     # Handled by main() before parsing (their arguments belong to the script or the tool); listed for --help.
@@ -308,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "jax_blink (jax_blink.install()); run --help says more")
     sub.add_parser("bench", help="our collectives against lax's, timed and checked, nccl-tests style "
                                  "(python -m jax_blink.tools.bench; bench --help)")
+    sub.add_parser("tune", help="measure this machine and store its dispatch entries in the user's cache, "
+                                "which dispatch=\"auto\" follows from then on (tune --help)")
     sub.add_parser("train", help="data-parallel ResNet/GPT-2 training, psum against jax_blink "
                                  "(python -m jax_blink.tools.train; train --help)")
     pe = sub.add_parser("env", help="what a bug report needs: versions, executors and their GPU architectures, "
@@ -406,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from jax_blink.tools import bench
         return bench.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from jax_blink.tools import tune
+        return tune.main(argv[1:])
     if argv[:1] == ["train"]:
         from jax_blink.tools.train.__main__ import main as train_main
         return train_main(argv[1:])

@@ -19,7 +19,8 @@ import numpy as np
 
 import jax_blink
 from jax_blink.lowering import backends
-from jax_blink.lowering.decision import LAX_NAME, dispatch, executor_problem
+from jax_blink.lowering import dispatch_cache
+from jax_blink.lowering.decision import LAX_NAME, TUNE_COMMAND, choice, dispatch, executor_problem, no_entry_message
 from jax_blink.planning.topology import Topology
 
 _SIZES = (4 << 10, 1 << 20, 64 << 20)  # bytes per rank shown in "what jax_blink would run"
@@ -134,12 +135,31 @@ def _would_run(devices: list) -> list[str]:
     problem = executor_problem(platform, "a collective", n)
     if problem is not None:
         return [f"{n} x {kind}: XLA's own collectives ({problem})"]
-    lines = [f"{n} x {kind}, float32, config.dispatch={jax_blink.config.dispatch!r}:"]
+    lines = _entry_lines(kind, n) + [f"{n} x {kind}, float32, config.dispatch={jax_blink.config.dispatch!r}:"]
     for collective in ("allreduce", "allgather", "reducescatter"):
         for nbytes in _SIZES:
             d = dispatch(collective, n, nbytes, "float32", kind)
             where = "jax_blink executor" if d.executor else LAX_NAME[collective]
             lines.append(f"  {collective:13s} {nbytes:>9d} bytes per rank: {where} ({d.reason})")
+    return lines
+
+
+def _entry_lines(kind: str, n: int) -> list[str]:
+    """Which measured entry dispatch="auto" follows on this machine, per collective; where there is
+    none, what runs meanwhile and the command that measures one."""
+    lines = []
+    picked = {c: choice(c, n, "float32", kind) for c in ("allreduce", "allgather", "reducescatter")}
+    key = next(iter(picked.values())).machine
+    lines.append(f"this machine's dispatch key: {key.describe(versions=True)}")
+    for collective, c in picked.items():
+        source = {"tuned": f"tuned entry in {dispatch_cache.cache_file()}",
+                  "shipped": "shipped entry (jax_blink/lowering/dispatch_entries.json)",
+                  "meanwhile": "NO entry for this machine: the meanwhile rule"}[c.source]
+        lines.append(f"  {collective:13s} {source}, from {', '.join(c.entry.sources) or 'no measurement'}")
+    if any(c.source == "meanwhile" for c in picked.values()):
+        lines.append("  " + no_entry_message(key))
+    elif not any(c.source == "tuned" for c in picked.values()):
+        lines.append(f"  (`{TUNE_COMMAND}` measures this very machine, jax and NCCL versions included, into the cache)")
     return lines
 
 

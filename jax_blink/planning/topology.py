@@ -36,6 +36,9 @@ __all__ = [
     "HOST_PATH_EFFICIENCY",
     "DEFAULT_HOST_ENGINE",
     "NVLINK_EFFICIENCY",
+    "SWITCH_EFFICIENCY",
+    "SWITCH_MEASURED_BUSBW_GBPS",
+    "measured_efficiency",
 ]
 
 LINK_KINDS = ("nvlink", "pcie", "host", "switch")
@@ -76,6 +79,34 @@ DEFAULT_HOST_ENGINE = "sm"
 #: Of the nominal NVLink rate, what SM-driven peer writes reach: 364 GB/s per direction with both
 #: directions busy, measured on 2 x H200 (NV18), against 18 links x 26.6 GB/s nominal.
 NVLINK_EFFICIENCY = 364.0 / (18 * NVLINK_GBPS[4])
+
+#: What the links of an NVSwitch machine were measured to carry in an all-reduce, per GPU: the bus
+#: bandwidth (busbw = algbw x 2(n-1)/n, on a switch what each GPU sends and receives per second) of
+#: the best all-reduce measured there. Source: issue 27, 4 x H200 of one host (every pair NV18
+#: through NVSwitch), jax 0.11.2, NCCL 2.28 under XLA, 2026-11-26, the bench's interleaved method at
+#: 1 GiB float32: lax.psum 348.3 GB/s busbw (232.2 algbw), jax_blink's executor 294.7 (196.5 algbw);
+#: NCCL through torch.distributed 338.7 at 256 MiB. Replace these three lines when a new measurement
+#: lands (the demo and explain() quote them).
+SWITCH_MEASURED_BUSBW_GBPS = 348.3
+SWITCH_MEASURED_ON = ("4 x H200 (NV18 switch): lax.psum's all-reduce at 1 GiB float32, 348.3 GB/s busbw, "
+                      "2026-11-26, issue 27")
+
+#: Of the nominal NVSwitch rate per GPU (18 NVLink 4 links x 26.6 GB/s), what an all-reduce was
+#: measured to reach (:data:`SWITCH_MEASURED_BUSBW_GBPS`): 0.73.
+SWITCH_EFFICIENCY = SWITCH_MEASURED_BUSBW_GBPS / (18 * NVLINK_GBPS[4])
+
+
+def measured_efficiency(topology: "Topology") -> tuple[float, str] | None:
+    """``(fraction of the nominal rate reached, where it was measured)`` for a topology whose links
+    are all NVSwitch (:data:`SWITCH_EFFICIENCY`) or all direct NVLink (:data:`NVLINK_EFFICIENCY`);
+    None for others (PCIe, host devices: no measurement)."""
+    kinds = set(topology.kinds())
+    if kinds == {"switch"}:
+        return SWITCH_EFFICIENCY, SWITCH_MEASURED_ON
+    if kinds == {"nvlink"}:
+        return NVLINK_EFFICIENCY, "2 x H200 (NV18): SM-driven peer writes, 364 GB/s per direction, 2026-11-22"
+    return None
+
 
 #: Nominal GB/s per direction between two CPU host devices of one process (memcpy through
 #: shared memory). The planners only need the ratio between links, and a host mesh is uniform.

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from jax_blink.tools.arguments import Parser, UsageError, bad, byte_count, ensure_host_devices, picture_path, run_main
 from jax_blink.tools.arguments import BYTE_COUNT, check_fits, input_file, whole_number
-from jax_blink.tools.demo import DEFAULT_SIZES
+from jax_blink.tools.demo import DEFAULT_SIZES, GPU_SIZES, default_sizes
 
 PROG = "python -m jax_blink"
 _MAX_DEVICES = 128  # nvswitch:128 plans in about 50 s on one core; more would run for many minutes
@@ -205,11 +205,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from jax_blink.tools.demo import run_demo, bytes_needed
 
     itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
+    devices = jax.devices()
+    args.size = args.size or list(default_sizes(devices[0].platform))
     for size in args.size:
         if size % itemsize:
             raise bad("--size", _bytes(size), f"takes a whole number of {args.dtype} elements "
                                               f"({itemsize} bytes each) per rank")
-    devices = jax.devices()
     check_fits("--size", max(args.size), devices, bytes_needed(max(args.size), args.dtype, devices))
     return run_demo(args.size, args.dtype, args.plot, flags_note=args.flags_note)
 
@@ -314,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd = sub.add_parser("demo", help="the main job: Blink's trees vs rings in the model, every collective "
                                      "checked against lax and all_reduce timed against lax.psum here")
-    pd.add_argument("--size", type=_sizes_arg, default=list(DEFAULT_SIZES), metavar="BYTES[,BYTES...]",
+    pd.add_argument("--size", type=_sizes_arg, default=None, metavar="BYTES[,BYTES...]",
                     help="bytes per rank to time all_reduce at, each a whole number of elements: 65536, "
-                         f"512K, 16M, 1G (default {','.join(_bytes(b) for b in DEFAULT_SIZES)})")
+                         f"512K, 16M, 1G (default on GPUs {_bytes(GPU_SIZES[0])} to {_bytes(GPU_SIZES[-1])} by 4x, "
+                         f"else {','.join(_bytes(b) for b in DEFAULT_SIZES)})")
     pd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int32"],
                     help="element type (default float32)")
     pd.add_argument("--plot", default=None, metavar="PNG", type=lambda t: picture_path("--plot", t),

@@ -5,8 +5,10 @@
 2. This machine's topology in the same model (on CPU host devices, a uniform mesh: trees equal
    rings there).
 3. Every collective run by jax_blink's executor on the devices here and checked against ``lax``.
-4. ``jax_blink.all_reduce`` timed against ``lax.psum`` at a few sizes, in turns, in one run, under
-   the dispatch in force: the path each size takes is read from the compiled program, and printed.
+4. ``jax_blink.all_reduce`` timed against ``lax.psum`` at a few sizes (on GPUs 1 KiB to 256 MiB), in
+   turns, in one run, under the dispatch in force: the path each size takes is read from the
+   compiled program, and printed with the measurement ``dispatch="auto"`` followed (a shipped or
+   tuned entry, or the meanwhile rule where this machine has none).
 
 With one device there is no collective to run: the demo says what one device can and cannot show.
 Every number printed says whether it is modelled or measured, on which devices, at which size.
@@ -23,6 +25,14 @@ CUSTOM_CALL = "jax_blink_collective"
 #: Sizes (bytes per rank) the demo times by default: where the CPU executor wins (<= 16K) and
 #: where the dispatch table sends all-reduces to lax.psum (64K, 1M on 8 CPU host devices).
 DEFAULT_SIZES = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+#: Sizes the demo times by default on GPUs: 1 KiB to 256 MiB, so that it shows where the executor
+#: loses too (on 4 GPUs of a switch it won up to 4 MiB and lost from 16 MiB, issue 27).
+GPU_SIZES = tuple(1 << s for s in range(10, 29, 2))
+
+
+def default_sizes(platform: str) -> tuple[int, ...]:
+    """The sizes the demo times when none are given: :data:`GPU_SIZES` on GPUs, else :data:`DEFAULT_SIZES`."""
+    return GPU_SIZES if platform in ("gpu", "cuda") else DEFAULT_SIZES
 #: Bytes per rank of the correctness checks.
 CHECK_BYTES = 4 << 10
 #: The size of the paper's comparison (500 MB per GPU), for the model's times.
@@ -132,8 +142,10 @@ def likely_machine(device_kind: str) -> str:
     return "nvswitch:8"  # A100/H100/H200/B200 SXM boards: 8 GPUs on NVSwitch
 
 
-def machine_lines(topo, nbytes: int, what: str) -> list[str]:
-    """Trees against rings on ``topo`` in the model, at large sizes and at ``nbytes`` per rank."""
+def machine_lines(topo, nbytes: int, what: str, calibrate: bool = False) -> list[str]:
+    """Trees against rings on ``topo`` in the model, at large sizes and at ``nbytes`` per rank;
+    with ``calibrate`` (GPUs of the kind the measurement was made on) also the model's rate at the
+    efficiency such links were measured to reach (:func:`calibrated_line`)."""
     from jax_blink.planning.packing import plan as make_plan
     from jax_blink.tools.simulate import compare
 
@@ -144,6 +156,9 @@ def machine_lines(topo, nbytes: int, what: str) -> list[str]:
            f"   all-reduce on {topo.n} devices: {n_trees} tree{'s' if n_trees != 1 else ''} at "
            f"{c['tree_algbw']:.4g} GB/s algbw per rank; {n_rings} {c['ring_kind']} ring{'s' if n_rings != 1 else ''}"
            f" at {c['ring_algbw']:.4g} GB/s: {c['rate_speedup']:.2f}x at large sizes"]
+    calibrated = calibrated_line(topo, c["tree_algbw"]) if calibrate else None
+    if calibrated:
+        out.append(calibrated)
     if uniform_mesh(topo):
         # Here the model's time at a size differs only by its per-hop latency: not Blink's point.
         out.append(f"   {topo.name} is a uniform mesh (every pair the same modelled rate): trees == rings "
@@ -152,6 +167,21 @@ def machine_lines(topo, nbytes: int, what: str) -> list[str]:
         out.append(f"   at {fmt_bytes(nbytes)} bytes per rank: trees {c['tree_time_us']:.1f} us, rings "
                    f"{c['ring_time_us']:.1f} us (modelled): {c['speedup']:.2f}x")
     return out
+
+
+def calibrated_line(topo, nominal_algbw: float) -> str | None:
+    """The model's all-reduce rate scaled by what such links were measured to reach
+    (:func:`jax_blink.planning.topology.measured_efficiency`), with the measurement named; None
+    where no measurement covers the links (PCIe, CPU host devices)."""
+    from jax_blink.planning.topology import measured_efficiency
+
+    found = measured_efficiency(topo)
+    if found is None:
+        return None
+    eff, source = found
+    return (f"   calibrated to what such links were measured to carry ({eff:.2f} of the nominal rate; {source}): "
+            f"{nominal_algbw * eff:.4g} GB/s algbw per rank, {nominal_algbw * eff * 2 * (topo.n - 1) / topo.n:.4g} "
+            "busbw (MODELLED)")
 
 
 # ------------------------------------------------------------------------------ 3. checks
@@ -234,7 +264,7 @@ def timing_lines(mesh, axis: str, sizes: Sequence[int], dtype: str, runs: int = 
 
     Each row names the path the dispatch decided and the path the compiled program holds; they
     must agree (returns False, and says so, where they do not)."""
-    from jax_blink.lowering.decision import dispatch
+    from jax_blink.lowering.decision import choice, dispatch
     from jax_blink.lowering.mesh import device_kind
     from jax_blink.options.settings import config
     from jax_blink.tools.timing import interleaved_times
@@ -245,29 +275,34 @@ def timing_lines(mesh, axis: str, sizes: Sequence[int], dtype: str, runs: int = 
     out = [f"4. jax_blink.all_reduce against lax.psum, TIMED here (measured: wall time per call of one jitted "
            f"shard_map on {n} x {devices[0].device_kind}, {dtype}, median of >= {runs} runs each, the two "
            f"taking turns; dispatch={config.dispatch}):",
-           f"   {'bytes/rank':>10}  {'jax_blink.all_reduce runs':<34} {'jax_blink us':>12} {'lax.psum us':>12} "
+           f"   {'bytes/rank':>10}  {'jax_blink.all_reduce runs':<40} {'jax_blink us':>12} {'lax.psum us':>12} "
            f"{'lax/jax_blink':>13}"]
     consistent = True
     wins: list[str] = []
     losses: list[str] = []
     to_lax: list[str] = []
+    sources: set[str] = set()
     for nbytes in sizes:
         decided = dispatch("allreduce", n, nbytes, dtype, kind)
+        # The measurement auto followed here: a tuned or shipped entry, or none (the meanwhile rule).
+        source = {"tuned": "tuned entry", "shipped": "shipped entry",
+                  "meanwhile": "no entry, meanwhile"}[choice("allreduce", n, dtype, kind).source]
+        sources.add(source)
         ours, ref, x = timed_programs(mesh, axis, nbytes, dtype)
         compiled = runs_executor(ours, x)
         t_ours, t_ref = (statistics.median(t) for t in interleaved_times([ours, ref], x, runs, min_seconds))
         ratio = t_ref / t_ours
         if compiled:
-            path = "the executor" + (" (dispatch=blink)" if config.dispatch == "blink" else "")
+            path = "the executor" + {"blink": " (dispatch=blink)", "auto": f" (auto: {source})"}.get(config.dispatch, "")
             (wins if ratio >= 1 else losses).append(f"{fmt_bytes(nbytes)} ({ratio:.2f}x)")
         else:
-            why = {"lax": "dispatch=lax", "blink": "executor not ready"}.get(config.dispatch, "the table's pick")
+            why = {"lax": "dispatch=lax", "blink": "executor not ready"}.get(config.dispatch, f"auto: {source}")
             path = f"lax.psum ({why})"
             to_lax.append(fmt_bytes(nbytes))
         if compiled != decided.executor:
             consistent = False
             path += " MISMATCH: decided " + ("executor" if decided.executor else "lax")
-        out.append(f"   {fmt_bytes(nbytes):>10}  {path:<34} {t_ours * 1e6:>12.1f} {t_ref * 1e6:>12.1f} "
+        out.append(f"   {fmt_bytes(nbytes):>10}  {path:<40} {t_ours * 1e6:>12.1f} {t_ref * 1e6:>12.1f} "
                    f"{ratio:>12.2f}x")
     out.append("   'runs' is read from each compiled program (jax_blink's custom call present or not) and "
                "matches the dispatch decision" if consistent else
@@ -279,6 +314,9 @@ def timing_lines(mesh, axis: str, sizes: Sequence[int], dtype: str, runs: int = 
     if to_lax:
         out.append(f"   at {', '.join(to_lax)} jax_blink.all_reduce compiled to lax.psum itself (same XLA "
                    "collective: the ratio is noise); JAX_BLINK_DISPATCH=blink times the executor there")
+    if config.dispatch == "auto" and "no entry, meanwhile" in sources:
+        out.append("   this machine has no measured dispatch entry: auto follows the meanwhile rule (jax-blink env "
+                   "says it); `jax-blink tune` measures this machine")
     return out, consistent
 
 
@@ -293,7 +331,8 @@ def one_device_lines(device) -> list[str]:
                 "   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jax_blink demo"]
     preset = likely_machine(device.device_kind)
     out = machine_lines(Topology.preset(preset), 64 << 20,
-                        f"One {device.device_kind}: the board such a GPU usually sits in, {preset}")
+                        f"One {device.device_kind}: the board such a GPU usually sits in, {preset}",
+                        calibrate=preset.startswith("nvswitch"))
     out += ["", "3.-4. What one GPU cannot show: a collective needs 2 or more devices (one device has nothing to "
             "move; jax_blink.all_reduce returns its input), so nothing is run or timed here.",
             "   The CUDA executor's kernels with ranks as streams of this one GPU, checked and timed: in a "
@@ -303,13 +342,14 @@ def one_device_lines(device) -> list[str]:
     return out
 
 
-def run_demo(sizes: Sequence[int] = DEFAULT_SIZES, dtype: str = "float32", plot: str | None = None,
+def run_demo(sizes: Sequence[int] | None = None, dtype: str = "float32", plot: str | None = None,
              *, runs: int = 5, min_seconds: float = 0.2, flags_note: str | None = None,
              say: Callable[[str], None] = print) -> int:
     """Tell the Blink story on the devices here (see the module's docstring).
 
     Args:
-        sizes: bytes per rank to time ``jax_blink.all_reduce`` at, each a whole number of ``dtype``.
+        sizes: bytes per rank to time ``jax_blink.all_reduce`` at, each a whole number of ``dtype``
+            (None: :func:`default_sizes` of the platform, to 256 MiB on GPUs).
         dtype: element type of the checks and timings.
         plot: draw the plan of this machine's all-reduce to this picture file.
         runs: timed runs per size, at least (more until ``min_seconds``).
@@ -329,6 +369,8 @@ def run_demo(sizes: Sequence[int] = DEFAULT_SIZES, dtype: str = "float32", plot:
     import jax_blink
 
     itemsize = np.dtype(jnp.dtype(dtype)).itemsize
+    if sizes is None:
+        sizes = default_sizes(jax.devices()[0].platform)
     for nbytes in sizes:
         if nbytes <= 0 or nbytes % itemsize:
             raise ValueError(f"size {nbytes} is not a positive whole number of {dtype} elements ({itemsize} bytes)")
@@ -356,7 +398,7 @@ def run_demo(sizes: Sequence[int] = DEFAULT_SIZES, dtype: str = "float32", plot:
     topo = jax_blink.Topology.discover(devices)
     what = (f"This machine: {n} CPU host devices" if platform == "cpu" else
             f"This machine's topology, {n} x {devices[0].device_kind} as probed")
-    for line in machine_lines(topo, max(sizes), what):
+    for line in machine_lines(topo, max(sizes), what, calibrate=platform != "cpu"):
         say(line)
     if plot:
         from jax_blink.tools.draw import draw_plan

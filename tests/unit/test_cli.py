@@ -297,7 +297,7 @@ def test_single_device_and_mwu(capsys):
     assert "reduce plan (mwu), root 4" in out and "model at 64M bytes per rank" in out
 
 
-_ROW = re.compile(r"^ +(\S+)  (the executor(?: \(dispatch=blink\))?|lax\.psum \([^)]*\))"
+_ROW = re.compile(r"^ +(\S+)  (the executor(?: \([^)]*\))?|lax\.psum \([^)]*\))"
                   r"(?: MISMATCH.*?)? +([\d.]+) +([\d.]+) +([\d.]+)x$")
 
 

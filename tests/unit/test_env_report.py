@@ -40,3 +40,21 @@ def test_the_command_line_prints_it():
     assert "== What jax_blink would run here" in out.stdout
     if "== GPUs\n  none visible" in out.stdout:  # no GPU: the tool asked for 8 CPU host devices
         assert "8 x cpu, float32" in out.stdout
+
+
+def test_a_machine_without_an_entry_is_told_what_runs_meanwhile(monkeypatch, tmp_path):
+    """No entry for this machine: the report says so, what auto runs meanwhile, and the command
+    that measures one; with an entry, which one auto follows."""
+    from jax_blink.lowering import dispatch_cache, dispatch_table
+
+    monkeypatch.setenv(dispatch_cache.CACHE_ENV, str(tmp_path))
+    n = len(jax.devices())
+    if n < 2:
+        return
+    text = env_report.report()
+    assert "this machine's dispatch key:" in text
+    monkeypatch.setattr(dispatch_table, "CROSSOVERS", ())
+    text = env_report.report()
+    assert "NO entry for this machine: the meanwhile rule" in text
+    assert "has no measured entry for this machine" in text and "jax-blink tune" in text
+    assert "Meanwhile it runs jax_blink's executor only at sizes" in text

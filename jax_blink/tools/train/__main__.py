@@ -290,8 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
     if args.timing_runs:
-        # psum, jax_blink (synchronous), jax_blink overlapped, no all-reduce; the switch where asked.
-        modes = ["psum", "blink", "overlap"] + (["switch"] if args.collective == "switch" else []) + ["none"]
+        # psum, the mode asked for, no all-reduce; jax_blink's synchronous and overlapped steps side
+        # by side when either of them is asked for.
+        ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
+        modes = ["psum", ours] + (["overlap"] if ours == "blink" else []) + ["none"]
         times = time_steps(dp, modes, state, args.timing_runs)
         med = {m: statistics.median(t) for m, t in times.items()}
         say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "

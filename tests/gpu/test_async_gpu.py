@@ -1,0 +1,111 @@
+"""The asynchronous all-reduce on GPUs (kernels/cuda/async_ffi.cc): jax_blink_start launches on a
+side stream, jax_blink_done makes XLA's stream wait. Needs a CUDA build with the handlers and 2+
+GPUs; every GPU present is used (4 on the lead's machine)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_blink
+from jax_blink.api.buckets import BucketLayout, bucketed_all_reduce
+from jax_blink.lowering import async_call
+from jax_blink.options import override
+
+try:
+    from jax_blink import _blink_cuda
+except ImportError:
+    _blink_cuda = None
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+GPUS = _gpus()
+pytestmark = pytest.mark.skipif(
+    _blink_cuda is None or len(GPUS) < 2 or "jax_blink_start" not in _blink_cuda.registrations(),
+    reason="needs 2+ GPUs and a CUDA build with jax_blink_start / jax_blink_done")
+
+
+def _mesh():
+    return jax.make_mesh((len(GPUS),), ("data",), devices=GPUS)
+
+
+def _sharded(a):
+    return jax.device_put(jnp.asarray(a), NamedSharding(_mesh(), P("data")))
+
+
+def _sum_step(layout, overlap, kind):
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    def f(tree):
+        tree = jax.tree.map(lambda v: v[0], tree)
+        if kind == "psum":
+            return jax.tree.map(lambda v: lax.psum(v, "data"), tree)
+        return bucketed_all_reduce(tree, "data", layout=layout, overlap=overlap)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_overlapped_buckets_on_gpus(dtype):
+    n = len(GPUS)
+    rng = np.random.default_rng(7)
+    shapes = {"a": (n, 3000), "b": (n, 70, 300), "c": (n, 1 << 20), "d": (n, 5)}  # LL, one-shot, trees
+    if dtype is np.int32:
+        tree = {k: _sharded(rng.integers(-1000, 1000, s).astype(dtype)) for k, s in shapes.items()}
+    else:
+        tree = {k: _sharded(rng.standard_normal(s).astype(dtype)) for k, s in shapes.items()}
+    layout = BucketLayout.of(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree),
+                             bucket_bytes=64 << 10, first_bucket_bytes=8 << 10)
+    assert len(layout.buckets) >= 3
+    assert async_call.runs_async("gpu")
+    with override(dispatch="blink"):
+        f = _sum_step(layout, True, "blink")
+        text = f.lower(tree).compile().as_text()
+        for _ in range(5):  # several calls: the FIFO, the side stream and the call counters cycle
+            ours = f(tree)
+        sync = _sum_step(layout, False, "blink")(tree)
+    ref = _sum_step(layout, False, "psum")(tree)
+    assert len(re.findall(r'custom_call_target="jax_blink_start"', text)) == len(layout.buckets)
+    assert len(re.findall(r'custom_call_target="jax_blink_done"', text)) == len(layout.buckets)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(sync[k]))  # same executor, same bits
+        if dtype is np.int32:
+            np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(ref[k]))
+        else:
+            np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-4)
+    jax_blink.check()
+    assert _blink_cuda.async_in_flight() == 0
+    comms = [c for c in _blink_cuda.comms() if c["blocks"] == _blink_cuda.async_blocks()]
+    assert comms, "the asynchronous sites have a communicator of the small grid"
+
+
+def test_start_done_api_on_gpus():
+    n = len(GPUS)
+    rng = np.random.default_rng(8)
+    x = _sharded(rng.standard_normal((n, 4097)).astype(np.float32))
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P()))
+    def f(v):
+        h1 = jax_blink.all_reduce_start(v[0], "data")
+        y = jnp.tanh(v[0]) @ jnp.ones((4097, 64), jnp.float32)  # compute between start and done
+        h2 = jax_blink.all_reduce_start(y, "data")
+        return jax_blink.all_reduce_done(h1, after=h2), jax_blink.all_reduce_done(h2)
+
+    with override(dispatch="blink"):
+        s1, s2 = f(x)
+    np.testing.assert_allclose(np.asarray(s1), np.asarray(x).sum(0), rtol=1e-5, atol=1e-4)
+    y = np.tanh(np.asarray(x)) @ np.ones((4097, 64), np.float32)
+    np.testing.assert_allclose(np.asarray(s2), y.sum(0), rtol=1e-4, atol=1e-2)
+    assert _blink_cuda.async_in_flight() == 0

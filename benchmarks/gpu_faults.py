@@ -469,6 +469,7 @@ def _run_children(argvs: list[list[str]], timeout_s: float, env: dict | None = N
     logs = [tempfile.TemporaryFile("w+") for _ in argvs]  # files, not pipes: a full pipe stalls a child
     procs = [subprocess.Popen(a, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**os.environ, **(env or {})}) for a, log in zip(argvs, logs)]
+    _note_children(procs)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
@@ -490,6 +491,28 @@ def _run_children(argvs: list[list[str]], timeout_s: float, env: dict | None = N
         phases = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("PHASE ")]
         out.append({"rc": p.returncode, "killed_at_deadline": killed, "phases": phases, "tail": text[-2500:]})
     return out
+
+
+def _note_children(procs) -> None:
+    """Bound the children beyond this process: each leads a process group of its own, which
+    SIGTERM to this process kills (``timeout`` around it), and CHILD_PIDS_FILE, where set, lists
+    them for the calling script to kill after its own deadline (SIGKILL reaches nobody's handler)."""
+    path = os.environ.get("CHILD_PIDS_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write("".join(f"{p.pid}\n" for p in procs))
+
+    def stop(signum, frame):
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in procs:
+            p.wait()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _gpu_count() -> int:
@@ -557,6 +580,8 @@ def main(argv=None) -> int:
                     help="JAX_BLINK_SETUP_TIMEOUT_S: a call site's set-up across processes (default 4)")
     ap.add_argument("--job-timeout-s", type=float, default=150.0,
                     help="each child job is killed (and reaped) after this many seconds (default 150)")
+    ap.add_argument("--total-timeout-s", type=float, default=None,
+                    help="all jobs together end by then: each gets at most what is left (default: no total)")
     ap.add_argument("--separate", action="store_true", help="every multi-process case in a job of its own")
     ap.add_argument("--out", metavar="JSON")
     args = ap.parse_args(argv)
@@ -574,10 +599,14 @@ def main(argv=None) -> int:
     layout = "distinct" if gpus >= args.processes else "shared"
     me = os.path.abspath(__file__)
     t_start = time.time()
+    t_end = time.monotonic() + (args.total_timeout_s or float("inf"))
+
+    def job_budget() -> float:  # what a job may take: its own limit, within the total
+        return max(1.0, min(args.job_timeout_s, t_end - time.monotonic()))
     rows, jobs = [], []
     if "skip" in cases:
         runs = _run_children([[sys.executable, me, "--child-one", args.platform, str(args.timeout_s)]],
-                             args.job_timeout_s)
+                             job_budget())
         rep = runs[0]["phases"]
         jobs.append({"cases": ["skip"], "killed": runs[0]["killed_at_deadline"], "rc": [runs[0]["rc"]]})
         row = _summarise("skip", rep, jobs[-1])
@@ -593,7 +622,11 @@ def main(argv=None) -> int:
             port = s.getsockname()[1]
         argvs = [[sys.executable, me, "--child-job", str(i), str(args.processes), str(port), args.platform, layout,
                   ",".join(group), str(args.timeout_s), str(args.setup_timeout_s)] for i in range(args.processes)]
-        runs = _run_children(argvs, args.job_timeout_s)
+        if time.monotonic() >= t_end:
+            for c in group:
+                rows.append({"case": c, "ok": False, "what": "not run: --total-timeout-s spent", "reports": []})
+            continue
+        runs = _run_children(argvs, job_budget())
         jobs.append({"cases": group, "killed": [i for i, r in enumerate(runs) if r["killed_at_deadline"]],
                      "rc": [r["rc"] for r in runs]})
         reports = [p for r in runs for p in r["phases"]]

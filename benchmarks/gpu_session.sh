@@ -3,28 +3,39 @@
 # writes logs and tables under $OUT (default ./gpu_out). OR-Tools travels as wheels in .whl/
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
-# Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench (hybrid and stbench use
+# Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4
+# multi (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
 # builds faster), TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
+# Issue 31, on 4 GPUs (the package built; each step bounded, about 6 minutes for the three; `multi`
+# is sanitize4 soak faults4): sanitize4 runs benchmarks/gpu_sanitizers.sh's steps driver and ipc4
+# (memcheck, racecheck, synccheck over benchmarks/gpu_collectives_driver.py on 2-4 GPUs and over
+# the IPC self-test of 4 processes; summary in $OUT/sanitize4/summary.txt); soak runs
+# benchmarks/gpu_soak.py for SOAK_S seconds (default 15); faults4 runs benchmarks/gpu_faults.py
+# (a skipping rank in one process; 4 processes: one that never calls, frees its memory early,
+# never reaches a set-up, is killed mid-call, brings another shape).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
+STEPS=${STEPS//multi/sanitize4 soak faults4}
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
 CUDA_ARCHS=${CUDA_ARCHS:-all}
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/ortools ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
+# Kill what a bounded step left behind: the process groups its Python parent listed (CHILD_PIDS_FILE).
+reap() { [ -f "$1" ] && while read -r pid; do kill -9 -- "-$pid" 2>/dev/null; done < "$1"; rm -f "$1"; }
 ST=${ST_BIN:-/tmp/selftest}
 # The self-test (tests/native/cuda_selftest.cu) through CMake, for this machine's GPUs only, in a
 # build folder of its own: the flags are the shipped executor's, and pip's build is not touched.
@@ -125,6 +136,20 @@ for name in ("ipc-selftest.json", "ipc-timing-64-blocks.json"):
             print("  ", {k: v for k, v in t.items() if k != "profile"}, t.get("profile", ""))
 PY
       ;;
+    sanitize4)  # issue 31: the sanitizers over 2-4 GPUs of one process and 4 processes (260 s at most)
+      log sanitize4
+      SAN_STEPS=multi OUT="$OUT/sanitize4" timeout -k 10 260 bash benchmarks/gpu_sanitizers.sh > "$OUT/sanitize4.log" 2>&1
+      echo "sanitize4 rc=$?" | tee -a "$OUT/session.log"; cat "$OUT/sanitize4/summary.txt" ;;
+    soak)  # issue 31: mixed collectives for SOAK_S seconds on every GPU, memory before and after
+      log "soak ${SOAK_S:-15} s"
+      timeout -k 5 $(( ${SOAK_S:-15} + 30 )) python3 benchmarks/gpu_soak.py --duration "${SOAK_S:-15}" \
+        --out "$OUT/soak.json" > "$OUT/soak.log" 2>&1
+      echo "soak rc=$?" | tee -a "$OUT/session.log"; tail -12 "$OUT/soak.log" ;;
+    faults4)  # issue 31: injected faults, one process of 4 GPUs and 4 processes (CUDA IPC), 85 s at most
+      log faults4
+      CHILD_PIDS_FILE="$OUT/.faults.pids" timeout -k 5 85 python3 benchmarks/gpu_faults.py --processes 4 \
+        --timeout-s 2 --job-timeout-s 50 --total-timeout-s 75 --out "$OUT/faults.json" > "$OUT/faults.log" 2>&1
+      echo "faults4 rc=$?" | tee -a "$OUT/session.log"; reap "$OUT/.faults.pids"; tail -25 "$OUT/faults.log" ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

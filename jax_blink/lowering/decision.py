@@ -74,7 +74,7 @@ def no_entry_message(key: _machine.MachineKey, dtype: str | None = None) -> str:
     for collective in dispatch_table.COLLECTIVES:
         m = dispatch_table.meanwhile(key.platform, collective, key.layout, dtype)
         where = dispatch_table.describe_ranges(m.lax_ranges)
-        why = "" if m.sources else f" (never measured on a {key.platform} machine in this layout)"
+        why = "" if m.sources else f" (never measured on a {key.platform} machine)"
         parts.append(f"{_PUBLIC_NAME[collective]}: {LAX_NAME[collective]} at {where}{why}")
     return (f"dispatch=\"auto\" has no measured entry for this machine ({key.describe()}). Meanwhile it runs "
             f"jax_blink's executor only at sizes (bytes per rank) where the executor won on every "

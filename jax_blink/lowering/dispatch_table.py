@@ -214,13 +214,17 @@ def meanwhile(platform: str, collective: str = "allreduce", layout: str = "one p
     """What ``dispatch="auto"`` runs on a machine of ``platform`` (``"cpu"`` or ``"gpu"``) that the
     table has no entry for: ``lax`` at every size where it won on any machine of that platform
     measured so far (each machine's entry for ``dtype`` as :func:`entry` picks it), the executor
-    only where it won or tied on all of them; ``lax`` at every size when no machine of that
-    platform measured ``collective`` in that ``layout``. The result names every file it rests on."""
+    only where it won or tied on all of them. Where no machine of that platform measured
+    ``collective`` in ``layout``, the machines that measured it in the other layout decide; where
+    none measured it at all, ``lax`` at every size. The result names every file it rests on."""
     _check_collective(collective)
     _check_layout(layout)
-    groups = {(c.device_kind, c.ranks, c.links) for c in CROSSOVERS
-              if platform_of(c.device_kind) == platform and c.collective == collective and c.layout == layout}
-    picked = [entry(kind, n, collective, layout, dtype, links) for kind, n, links in sorted(groups, key=str)]
+    groups = {(c.device_kind, c.ranks, c.links, c.layout) for c in CROSSOVERS
+              if platform_of(c.device_kind) == platform and c.collective == collective}
+    if any(g[3] == layout for g in groups):
+        groups = {g for g in groups if g[3] == layout}
+    # else: the layout was never measured on this platform; the other layout's machines decide
+    picked = [entry(kind, n, collective, lay, dtype, links) for kind, n, links, lay in sorted(groups, key=str)]
     picked = [c for c in picked if c is not None]
     if not picked:
         return Crossover(f"no {platform} machine measured", 0, ((0, None),), (), collective, layout, dtype)

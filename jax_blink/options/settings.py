@@ -244,6 +244,8 @@ _ENV_ELSEWHERE = (
     "JAX_BLINK_TUNING_CACHE", "JAX_BLINK_DISPATCH_CACHE", "JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS",
     "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_SHARE",
     "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_ENGINE",
+    "JAX_BLINK_TWOSHOT_MIN_BYTES",  # kernels/cuda/executor.cu: the two-shot all-reduce on 3+ GPUs
+    "JAX_BLINK_ASYNC_BLOCKS",  # kernels/cuda/async_ffi.cc: the grid of the overlapped (start/done) all-reduce
     "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda/ipc.cu: the IPC kernels' most blocks (default: one per SM)
     "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/lowering/processes.py
     "JAX_BLINK_FULL_BINDING",  # jax_blink/api/collectives.py: GPU calls carry every attribute (issue 17)

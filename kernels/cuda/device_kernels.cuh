@@ -1,6 +1,6 @@
 // Device side of the CUDA executor: the layouts it shares with the host (ErrorRecord, the plan's
 // Unit / TreeRank records, Params), element types and ops, the combine loops, and the kernels
-// (tree, LL, one-shot) with KernelFor(). The protocol they run is described at the top of
+// (tree, LL, one-shot; two-shot in cuda/two_shot.cuh) with KernelFor(). The protocol they run is described at the top of
 // cuda/executor.cu, the one translation unit that includes this file (hence the unnamed namespace).
 #pragma once
 
@@ -84,6 +84,9 @@ struct Params {
   uint32_t os_site;    // the call site's tag (low bits of comm_id)
   int64_t os_elems;    // the operand's elements
   int64_t os_chunk;    // kOneShot: elements per chunk
+  // Mode::kTwoShot (cuda/two_shot.cuh): elements per rank's chunk, pieces per chunk (a multiple of
+  // the grid), elements per 16 bytes. os_elems is the operand's elements.
+  int64_t ts_chunk, ts_pieces, ts_align;
   // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
   // host_elems) through pinned host memory (2 ranks). The communicator's host channel: this
   // rank's outbox and the peer's, each two parity slots of host_slot bytes (device pointers of
@@ -979,11 +982,24 @@ __global__ void __launch_bounds__(kCopyThreads) one_rank_kernel(const uint8_t* i
   for (int64_t i = nvec * 16 + first; i < bytes; i += stride) out[i] = in[i];
 }
 
+}  // namespace
+}  // namespace jax_blink::cuda
+
+// The two-shot kernel, a primitive of its own (it uses the flags, pointer exchange and data movers
+// above), before the kernel table below.
+#include "cuda/two_shot.cuh"
+
+namespace jax_blink::cuda {
+namespace {
+
 using KernelFn = void (*)(const Params);
 
 template <class E, class Op>
 constexpr KernelFn kernel_for_mode(Mode m) {  // kTree and kHybrid: the tree kernel
-  return m == Mode::kLL ? &ll_kernel<E, Op> : m == Mode::kOneShot ? &oneshot_kernel<E, Op> : &collective_kernel<E, Op>;
+  return m == Mode::kLL        ? &ll_kernel<E, Op>
+         : m == Mode::kOneShot ? &oneshot_kernel<E, Op>
+         : m == Mode::kTwoShot ? &two_shot_kernel<E, Op>
+                               : &collective_kernel<E, Op>;
 }
 
 template <class E>
@@ -1003,7 +1019,7 @@ KernelFn KernelFor(DType d, int op, Mode m) {
   return nullptr;
 }
 
-constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot};  // the kernels (kHybrid runs kTree's)
+constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot, Mode::kTwoShot};  // the kernels (kHybrid runs kTree's)
 
 }  // namespace
 }  // namespace jax_blink::cuda

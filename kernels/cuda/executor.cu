@@ -189,9 +189,11 @@ struct DeviceGuard {  // restores the calling thread's current device
   ~DeviceGuard() { if (saved >= 0) cudaSetDevice(saved); }
 };
 
-// The kernels (tree, LL, one-shot), indexed by KernelIndex(mode).
-constexpr int kNumKernels = 3;
-constexpr int KernelIndex(Mode m) { return m == Mode::kLL ? 1 : m == Mode::kOneShot ? 2 : 0; }
+// The kernels (tree, LL, one-shot, two-shot), indexed by KernelIndex(mode).
+constexpr int kNumKernels = 4;
+constexpr int KernelIndex(Mode m) {
+  return m == Mode::kLL ? 1 : m == Mode::kOneShot ? 2 : m == Mode::kTwoShot ? 3 : 0;
+}
 
 struct DeviceState {
   int device = -1;
@@ -435,6 +437,7 @@ std::string GetCommLocked(const std::vector<int>& devices, const Options& opt, C
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
+int64_t DefaultTwoShotMin() { return EnvBytes("JAX_BLINK_TWOSHOT_MIN_BYTES", kDefaultTwoShotMinBytes); }
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 
@@ -920,6 +923,30 @@ std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& p
   return {};
 }
 
+// The two-shot all-reduce (cuda/two_shot.cuh) instead of the trees: an all-reduce site on 3 or
+// more ranks of at least JAX_BLINK_TWOSHOT_MIN_BYTES per rank whose n chunks are each at least
+// one 16-byte atom. Sets the chunk, the pieces (a multiple of the grid, about kTwoShotPieceBytes
+// each) and *pieces; 0 where the trees stay.
+int64_t ChooseTwoShot(const Program& prog, bool allreduce, int esize, int G, Params* base) {
+  const int n = prog.nranks();
+  const int64_t min_bytes = DefaultTwoShotMin();
+  const int64_t payload = prog.total_elems() * esize;
+  if (!allreduce || n < 3 || min_bytes <= 0 || payload < min_bytes) return 0;
+  const int64_t align = std::max(1, 16 / esize);
+  const int64_t chunk = prog.total_elems() / (n * align) * align;
+  if (chunk <= 0) return 0;
+  const int64_t per_block = chunk * esize / G;
+  const int64_t m = std::max<int64_t>(1, (per_block + kTwoShotPieceBytes - 1) / kTwoShotPieceBytes);
+  const int64_t pieces = std::min<int64_t>(m * G, kMaxUnits / 2 / G * G);
+  if (pieces < G || chunk / align < pieces) return 0;  // every block at least one piece of >= 1 atom
+  base->ts_chunk = chunk;
+  base->ts_pieces = pieces;
+  base->ts_align = align;
+  base->os_elems = prog.total_elems();
+  base->grid = G;
+  return pieces;
+}
+
 // Rank r's read-only plan (the block from `dyn` on), built on the host and copied once: the units,
 // how r sees each tree (parent, children with their leaf bit, push or pull per edge), the gaps
 // and every rank's site block address.
@@ -1061,20 +1088,27 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   const std::vector<int64_t> gaps = GapsOutsideSegments(prog, seg_off, seg_len, nv_total);
 
   Params base{};
+  // The two-shot kernel keeps no units: its flags take the units' place, 2 per piece.
+  const int64_t ts_pieces = host.elems > 0 ? 0 : ChooseTwoShot(prog, allreduce, esize, G, &base);
   SiteBlockLayout layout;
-  if (std::string err = LayOutSiteBlock(n, G, U, prog.ntrees(), gaps.size(), &base, &layout); !err.empty()) return err;
+  if (std::string err = LayOutSiteBlock(n, G, ts_pieces > 0 ? static_cast<int>(2 * ts_pieces) : U, prog.ntrees(),
+                                        gaps.size(), &base, &layout);
+      !err.empty())
+    return err;
   base.nranks = n;
-  base.nunits = U;
+  base.nunits = ts_pieces > 0 ? static_cast<int32_t>(2 * ts_pieces) : U;
   base.ngaps = static_cast<int32_t>(gaps.size() / 2);
   base.chunk_elems = prog.chunk_elems();
   base.comm_id = comm_id;
-  base.grid = std::max(1, std::min(Gu, U));
+  base.grid = ts_pieces > 0 ? G : std::max(1, std::min(Gu, U));
   if (n == 1)  // the identity: one_rank_kernel's blocks (Launch)
     base.grid = static_cast<int>(std::clamp<int64_t>(
         (prog.total_elems() * esize + kCopyBytesPerBlock - 1) / kCopyBytesPerBlock, 1, int64_t{8} * G));
   // The host channel beside the trees, or else perhaps a one-shot kernel instead of them.
   Mode mode = host.elems > 0 ? Mode::kHybrid : Mode::kTree;
-  if (mode == Mode::kHybrid) {
+  if (ts_pieces > 0) {
+    mode = Mode::kTwoShot;
+  } else if (mode == Mode::kHybrid) {
     SetHostChannelParams(comm, host, nv_total, &base);
   } else if (std::string err = ChooseOneShotLocked(comm, opt, prog, allreduce, esize, comm_id, &base, &mode);
              !err.empty()) {
@@ -1239,6 +1273,7 @@ const char* ModeName(Mode m) {
     case Mode::kLL: return "ll";
     case Mode::kOneShot: return "oneshot";
     case Mode::kHybrid: return "hybrid";
+    case Mode::kTwoShot: return "twoshot";
   }
   return "?";
 }
@@ -1489,7 +1524,7 @@ std::string CheckEnvironment() {
   };
   int64_t v = 0;
   for (const char* name : {"JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_HOST_MIN_BYTES",
-                           "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES"})
+                           "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_TWOSHOT_MIN_BYTES"})
     if (EnvValue(name) != nullptr && !ParseByteCount(EnvValue(name), &v))
       bad(name, "a byte count such as 8388608, 512K, 16M or 1G");
   for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS"})

@@ -66,6 +66,10 @@ struct Options {
 // the CUDA executor's constants come from".
 constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // LL up to here: it beats the chunked one-shot
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: beyond, the trees are as fast
+// Two-shot all-reduce by remote writes (3+ GPUs, cuda/two_shot.cuh) from this size per rank; 0: off
+// (JAX_BLINK_TWOSHOT_MIN_BYTES overrides). Its pieces are about kTwoShotPieceBytes each.
+constexpr int64_t kDefaultTwoShotMinBytes = 0;
+constexpr int64_t kTwoShotPieceBytes = 256 << 10;
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // small chunks fill the channel's pipeline sooner
@@ -75,8 +79,8 @@ constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel
 // with a host-channel slice beside it (hybrid).
-enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2, kHybrid = 3 };
-constexpr int kNumModes = 4;
+enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2, kHybrid = 3, kTwoShot = 4 };
+constexpr int kNumModes = 5;
 const char* ModeName(Mode m);
 
 // One call site's state for one rank: opaque. Lives until Release().
@@ -131,7 +135,7 @@ struct CommInfo {
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
   int64_t host_bytes = 0;     // pinned host memory of its host channel (the outbox), per rank
   int num_sites = 0;
-  int sites_by_mode[kNumModes] = {0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid
+  int sites_by_mode[kNumModes] = {0, 0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid, twoshot
 };
 std::vector<CommInfo> Comms();
 

@@ -1,0 +1,206 @@
+// Two-shot all-reduce by remote writes (Mode::kTwoShot): reduce-scatter, then all-gather, every
+// byte over NVLink a store into a peer's own output buffer. Included by cuda/executor.cu after
+// cuda/device_kernels.cuh, whose flags, pointer exchange and data movers it uses.
+//
+// ## Layout
+// The operand of N elements is cut into n equal *chunks* of C elements (C a multiple of 16 bytes,
+// n * C <= N); rank j owns chunk j, and the *tail* [n C, N) (fewer than n 16-byte atoms) is
+// reduced by every rank itself. Each chunk is cut alike into Q = m * G *pieces*; piece q of every
+// chunk belongs to block q mod G on every rank.
+//
+// ## Push mode (no rank's in == out in this call)
+// Rank r's `out` has one region per chunk. Region s of rank j's `out` first receives rank s's
+// *contribution* to chunk j (s's `in` over chunk j), and later the final chunk s, which s
+// broadcasts. Per piece q, block b of rank r:
+//   A  copies in[chunk j, q] into rank j's out[region r, q] for every j != r, release-flags (A, q)
+//      on j.
+//   B  waits for (A, q) from every peer, reduces chunk r's piece in rank order (its own `in` for
+//      itself, out[region s] for peer s) into out[chunk r, q], release-flags (B, q) on every peer:
+//      "my regions' piece q are read".
+//   C  waits for (B, q) from every peer (each has read what this rank wrote into its region r),
+//      then copies out[chunk r, q] into every peer's out[region r, q], release-flags (C, q).
+//   Exit: waits for (C, q) from every peer (their final pieces landed in this rank's `out`).
+// Blocks run their pieces software-pipelined (A of piece i, B of i - 1, C of i - 2), so that
+// NVLink stays busy while other pieces reduce.
+// ## Pull mode (some rank's in == out: a peer's contribution would overwrite an operand)
+// B reads the peers' `in` in place instead (no A); C needs no (B, q) wait: region r of rank j is
+// written only by rank r, after r itself read j's `in` there. Exit as above, which also keeps every
+// peer's reads of this rank's `in` before this rank returns (they precede the peer's (C, q)).
+//
+// ## Why it is safe
+// Pointers: block 0 publishes this call's (in, out) into every peer and every block waits for every
+// peer's (the tree kernel's two-slot table: every rank waits for every other in every call, so no
+// rank is a call ahead of another's table slot). A peer's kernel of call k runs, so its buffers'
+// previous use is over, before anything is written there. Deadlock: a block's waits are for its
+// peers' same block, on steps those take earlier in the same order (A(i) needs pointers only, B(i)
+// needs A(i), C(i) needs B(i), exit needs C), so the smallest blocked step's producer would be
+// blocked on an even smaller one: none. Residency as for the tree kernel (the grid fits at once).
+// Every rank computes chunk j's result from the same terms in the same order on rank j alone, and
+// the tail in rank order on every rank: bitwise identical results everywhere.
+#pragma once
+
+namespace jax_blink::cuda {
+namespace {
+
+constexpr int kMaxTwoShotTail = 16 * kMaxLLRanks;  // tail elements: < n 16-byte atoms, n <= 8
+
+__device__ __forceinline__ void ts_piece(const Params& p, int64_t q, int64_t* lo, int64_t* len) {
+  const int64_t align = p.ts_align, atoms = p.ts_chunk / align;
+  const int64_t a = q * atoms / p.ts_pieces, b = (q + 1) * atoms / p.ts_pieces;
+  *lo = a * align;
+  *len = (b - a) * align;
+}
+
+// Flags of this site's inbox (inbox_at's layout with nunits = 2 Q): A at (phase 0, q), B at
+// (phase 1, q), C at (phase 0, Q + q).
+__device__ __forceinline__ uint32_t* ts_flag(const Params& p, uint8_t* base, int src, int step, int64_t q) {
+  const int phase = step == 1 ? 1 : 0;
+  const int64_t u = step == 2 ? p.ts_pieces + q : q;
+  return inbox_at(p, base, src, phase, static_cast<int>(u));
+}
+
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
+  using S = typename E::S;
+  __shared__ Shared sh;
+  __shared__ int push_mode;
+  __shared__ S tail_out[kMaxTwoShotTail];
+  const int tid = threadIdx.x, b = blockIdx.x, n = p.nranks, me = p.rank;
+  uint32_t* blk_seq = reinterpret_cast<uint32_t*>(p.site + p.off_blk_seq);
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  {
+    const uint64_t pb = tid < n ? peer_base[tid] : 0;
+    const uint32_t seq = tid == 0 ? blk_seq[b] : 0u;
+    const uint32_t claim = tid == 0 ? sync::ld_relaxed_sys_snapshot(p.dev_claim) : 0u;
+    if (tid < n) sh.peer_base[tid] = reinterpret_cast<uint8_t*>(pb);
+    if (tid == 0) {
+      sh.have = 0;
+      sh.k = seq + 1;
+      sh.fail = claim != 0u;
+    }
+  }
+  __syncthreads();
+  if (sh.fail) {
+    if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
+    return;
+  }
+  const S* in = static_cast<const S*>(p.in);
+  S* out = static_cast<S*>(p.out);
+  const int64_t C = p.ts_chunk, Q = p.ts_pieces, G = p.grid;
+  if (tid == 0) {
+    sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
+    if (b == 0) {  // this call's pointers into every peer's table (slot k & 1), then the flag
+      const int slot = 2 * me + static_cast<int>(sh.k & 1u);
+      for (int dst = 0; dst < n; ++dst) {
+        if (dst == me) continue;
+        uint8_t* base = sh.peer_base[dst];
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot, reinterpret_cast<uint64_t>(p.in));
+        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot, reinterpret_cast<uint64_t>(p.out));
+        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
+      }
+    }
+    bool ok = true, alias = p.in == p.out;
+    for (int s = 0; ok && s < n; ++s) {
+      if (s == me) continue;
+      ok = get_pointers(p, sh, s, -1, 0);
+      if (ok && sh.pin[s] == sh.pout[s]) alias = true;
+    }
+    push_mode = !alias;
+  }
+  __syncthreads();
+  if (sh.fail) goto done;
+  {
+    const bool push = push_mode != 0;
+    const int64_t mine = static_cast<int64_t>(me) * C;  // chunk me's offset
+    // The tail: block 0 reduces it in rank order from every rank's `in` and keeps it in shared
+    // memory until the exit, since a peer may still read this rank's `in` (when in == out).
+    const int64_t tail_off = static_cast<int64_t>(n) * C, tail = p.os_elems - tail_off;
+    if (b == 0 && tail > 0) {
+      for (int64_t i = tid; i < tail; i += kThreads) {
+        typename E::A acc = E::load(ldcg_scalar<S>(reinterpret_cast<const S*>(me == 0 ? p.in : sh.pin[0]) + tail_off + i));
+        for (int s = 1; s < n; ++s)
+          acc = Op::apply(acc, E::load(ldcg_scalar<S>(reinterpret_cast<const S*>(s == me ? p.in : sh.pin[s]) + tail_off + i)));
+        tail_out[i] = E::store(acc);
+      }
+    }
+    const int64_t mq = (Q - b + G - 1) / G;  // this block's pieces: q = b + i G, i < mq
+    for (int64_t i = 0; i < mq + 2; ++i) {
+      // A: piece i, this rank's contribution to every peer's chunk.
+      if (push && i < mq) {
+        const int64_t q = b + i * G;
+        int64_t lo, len;
+        ts_piece(p, q, &lo, &len);
+        for (int d = 1; d < n; ++d) {
+          const int j = (me + d) % n;
+          copy_range<S, false>(reinterpret_cast<S*>(sh.pout[j]) + mine + lo, in + static_cast<int64_t>(j) * C + lo, len);
+        }
+        __syncthreads();
+        if (tid == 0)
+          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 0, q), sh.k);
+      }
+      // B: piece i - 1 of chunk me, reduced in rank order.
+      if (i >= 1 && i - 1 < mq) {
+        const int64_t q = b + (i - 1) * G;
+        int64_t lo, len;
+        ts_piece(p, q, &lo, &len);
+        if (tid == 0) {
+          bool ok = true;
+          for (int s = 0; ok && s < n; ++s) {
+            if (s == me) continue;
+            if (push) ok = wait_for(p, sh, ts_flag(p, p.site, s, 0, q), s, -1, mine + lo, kAtReduce);
+          }
+          for (int s = 0; s < n; ++s)
+            sh.src[s] = s == me ? static_cast<const void*>(in + mine + lo)
+                        : push  ? static_cast<const void*>(out + static_cast<int64_t>(s) * C + lo)
+                                : static_cast<const void*>(reinterpret_cast<const S*>(sh.pin[s]) + mine + lo);
+        }
+        __syncthreads();
+        if (sh.fail) goto done;
+        combine_range<E, Op>(out + mine + lo, static_cast<const S*>(sh.src[0]),
+                             reinterpret_cast<const S* const*>(sh.src + 1), n - 1, nullptr, 0, len);
+        __syncthreads();
+        if (tid == 0 && push)
+          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 1, q), sh.k);
+      }
+      // C: piece i - 2 of chunk me, into every peer's region me.
+      if (i >= 2 && i - 2 < mq) {
+        const int64_t q = b + (i - 2) * G;
+        int64_t lo, len;
+        ts_piece(p, q, &lo, &len);
+        if (tid == 0) {
+          bool ok = true;
+          int nd = 0;
+          for (int d = 1; ok && d < n; ++d) {
+            const int j = (me + d) % n;
+            if (push) ok = wait_for(p, sh, ts_flag(p, p.site, j, 1, q), j, -1, mine + lo, kAtBroadcast);
+            sh.dst[nd++] = reinterpret_cast<S*>(sh.pout[j]) + mine + lo;
+          }
+          sh.nd = nd;
+        }
+        __syncthreads();
+        if (sh.fail) goto done;
+        combine_range<E, Op>(nullptr, out + mine + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), sh.nd, len);
+        __syncthreads();
+        if (tid == 0)
+          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 2, q), sh.k);
+      }
+    }
+    // Exit: every peer's final pieces of this block have landed here.
+    if (tid == 0)
+      for (int64_t i = 0; i < mq && !sh.fail; ++i)
+        for (int s = 0; s < n && !sh.fail; ++s) {
+          if (s == me) continue;
+          int64_t lo, len;
+          ts_piece(p, b + i * G, &lo, &len);
+          wait_for(p, sh, ts_flag(p, p.site, s, 2, b + i * G), s, -1, static_cast<int64_t>(s) * C + lo, kAtExit);
+        }
+    __syncthreads();
+    if (!sh.fail && b == 0)
+      for (int64_t i = tid; i < tail; i += kThreads) out[tail_off + i] = tail_out[i];
+  }
+done:
+  if (tid == 0) blk_seq[b] = sh.k;
+}
+
+}  // namespace
+}  // namespace jax_blink::cuda

@@ -168,6 +168,8 @@ if [ -n "$PIPCUDA_PID" ]; then
   grep -E "jax_blink: (no nvcc|executors built)|CUDA compiler identification" "$OUT/pipcuda_build.log" | tee -a "$OUT/summary.log"
   if [ $rc -ne 0 ]; then
     note "pipcuda: build FAILED (rc $rc)"; tail -30 "$OUT/pipcuda_build.log"
+  elif ! grep -q "taking .*/nvidia/cu13/bin/nvcc" "$OUT/pipcuda_build.log"; then
+    note "pipcuda: FAILED: the build did not take pip's nvcc (see pipcuda_build.log)"
   else
     smoke "$WORK/pipcuda-venv" smoke_pipcuda --gpu || note "pipcuda: smoke test FAILED"
   fi

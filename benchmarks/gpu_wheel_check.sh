@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_wheel_check.sh                      # builds a wheel here first (step wheel)
 #   WHEEL=/path/jax_blink-0.1.0-cp312-...whl bash benchmarks/gpu_wheel_check.sh   # a given wheel
 #
-# Run from the repository root; logs under $OUT/wheel_check ($OUT defaults to ./gpu_out).
+# Run from the repository root; logs under $OUT/wheel_check ($OUT defaults to ./gpu_out), the
+# summary in summary.log. Each step has its own time limit (wheel 420 s, pytest 240 s, ...): wrap
+# the whole in `timeout` below the caller's limit.
 # Steps (STEPS, default "wheel install gputests pipcuda"):
 #   wheel     builds a wheel of this checkout for the image's Python with the system toolkit (the
 #             one step that sees it): WHEEL_ARCHS, default all, as shipped. Against the XLA FFI
@@ -21,7 +23,8 @@
 #             stays out. Then, with the toolkit hidden: which copy imports, the executors,
 #             device_problem(0), the CPU executor against lax, `jax-blink env`.
 #   gputests  python -m pytest -q -x tests/gpu in that venv, from a copy of tests/ outside the
-#             checkout, so that the installed wheel is what is tested.
+#             checkout, so that the installed wheel is what is tested (a WHEEL given from elsewhere
+#             must be of this checkout's sources: the tests import its modules).
 #   pipcuda   pip install --no-build-isolation of this checkout into a second venv, the toolkit
 #             hidden, so that CMake must find pip's nvidia-cuda-nvcc (which jax[cuda13] installs);
 #             JAX_BLINK_CUDA=ON (fail rather than build CPU only) and one architecture (PIPCUDA_ARCHS,
@@ -123,10 +126,11 @@ t0=$(date +%s)
 if [[ " $STEPS " == *" pipcuda "* ]]; then log "pipcuda: build starts (JAX_BLINK_CUDA_ARCHS=$PIPCUDA_ARCHS)"; start_pipcuda_build; fi
 
 if [[ " $STEPS " == *" wheel "* ]] && [ -z "${WHEEL:-}" ]; then
-  ffi=(); [ -f "$FFI_HEADERS/xla/ffi/api/c_api.h" ] && ffi=(-Ccmake.define.XLA_FFI_INCLUDE_DIR="$FFI_HEADERS")
-  log "wheel: building (JAX_BLINK_CUDA_ARCHS=$WHEEL_ARCHS, system toolkit, FFI headers: ${ffi[*]:-the image's jax})"
+  ffi=(); headers="those of the jax in the image"
+  if [ -f "$FFI_HEADERS/xla/ffi/api/c_api.h" ]; then ffi=(-Ccmake.define.XLA_FFI_INCLUDE_DIR="$FFI_HEADERS"); headers=$FFI_HEADERS; fi
+  log "wheel: building (JAX_BLINK_CUDA_ARCHS=$WHEEL_ARCHS, system toolkit, FFI headers: $headers)"
   w0=$(date +%s)
-  timeout 480 "$PY" -m pip wheel -v --no-deps --no-build-isolation -w "$WORK/dist" -Cbuild-dir="$WORK/wheel-build" \
+  timeout 420 "$PY" -m pip wheel -v --no-deps --no-build-isolation -w "$WORK/dist" -Cbuild-dir="$WORK/wheel-build" \
     -Ccmake.define.JAX_BLINK_CUDA=ON -Ccmake.define.JAX_BLINK_CUDA_ARCHS="$WHEEL_ARCHS" "${ffi[@]}" "$REPO" \
     > "$OUT/wheel_build.log" 2>&1 || { note "wheel: FAILED (rc $?)"; tail -30 "$OUT/wheel_build.log"; exit 1; }
   WHEEL=$(ls "$WORK"/dist/jax_blink-*.whl | head -1)
@@ -157,7 +161,7 @@ if [[ " $STEPS " == *" gputests "* ]]; then
   rm -rf "$WORK/run/tests"; cp -r "$REPO/tests" "$WORK/run/tests"; cp "$REPO/pyproject.toml" "$WORK/run/"  # pytest's markers
   ( cd "$WORK/run" && no_toolkit timeout 300 "$WORK/venv/bin/python" -c \
       "import jax_blink; assert '$WORK/venv' in jax_blink.__file__, jax_blink.__file__" \
-    && no_toolkit timeout 300 "$WORK/venv/bin/python" -m pytest -q -x -p no:cacheprovider tests/gpu ) \
+    && no_toolkit timeout 240 "$WORK/venv/bin/python" -m pytest -q -x -p no:cacheprovider tests/gpu ) \
     > "$OUT/pytest_gpu_wheel.log" 2>&1
   note "gputests: rc=$?"; tail -4 "$OUT/pytest_gpu_wheel.log" | tee -a "$OUT/summary.log"
 fi

@@ -17,7 +17,8 @@
 #             a handler of an older FFI API. Runs beside pipcuda's build (both only compile).
 #             Skipped when WHEEL is given.
 #   install   a fresh venv holding the wheel; the image's site-packages (jax, jaxlib and its CUDA
-#             plugin, numpy, ...) are added to it as plain paths (a .pth listing them), which acts
+#             plugin, numpy, ...: its sys.path entries that end in site-packages or dist-packages)
+#             are added to it as plain paths (a .pth listing them), which acts
 #             like `python3 -m venv --system-site-packages` except that .pth files there are not run:
 #             an editable jax_blink of the checkout in the image (benchmarks/gpu_session.sh's build)
 #             stays out. Then, with the toolkit hidden: which copy imports, the executors,
@@ -73,7 +74,7 @@ note "system nvcc (hidden below): $(command -v nvcc || echo none on PATH) $(nvcc
 make_venv() {
   local venv=$1
   timeout 120 "$PY" -m venv "$venv" || return 1
-  timeout 60 "$PY" -c "import site; print('\n'.join(site.getsitepackages() + [site.getusersitepackages()]))" \
+  timeout 60 "$PY" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
     > "$(timeout 60 "$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/image-site-packages.pth"
   if ! timeout 120 "$venv/bin/python" -c "import ortools" 2>/dev/null && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
     timeout 120 "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile "$REPO"/.whl/*.whl || return 1

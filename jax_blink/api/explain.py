@@ -24,8 +24,11 @@ from jax_blink.api.collectives import check_root
 #: knows them (planning/forms.py), and the host channel's (kernels/cuda/executor.h:
 #: kDefaultHostMinBytes; a test keeps all three equal to the header).
 LL_BYTES, ONESHOT_BYTES, HOST_MIN_BYTES = LL_MAX_BYTES, ONESHOT_MAX_BYTES, 256 << 20
+#: From this size per rank, all-reduces on 3 or more GPUs take the two-shot kernel
+#: (kernels/cuda/executor.h: kDefaultTwoShotMinBytes; a test keeps it equal to the header).
+TWOSHOT_MIN_BYTES = 16 << 20
 _EXECUTOR_BYTES = {"JAX_BLINK_LL_BYTES": LL_BYTES, "JAX_BLINK_ONESHOT_BYTES": ONESHOT_BYTES,
-                   "JAX_BLINK_HOST_MIN_BYTES": HOST_MIN_BYTES}
+                   "JAX_BLINK_HOST_MIN_BYTES": HOST_MIN_BYTES, "JAX_BLINK_TWOSHOT_MIN_BYTES": TWOSHOT_MIN_BYTES}
 
 
 def _executor_bytes(name: str) -> int:
@@ -45,6 +48,10 @@ def _gpu_kernel(n: int, nbytes: int) -> str:
         return "one LL kernel (data and flag in one 8-byte store, one hop; JAX_BLINK_LL_BYTES)"
     if n == 2 and nbytes <= _executor_bytes("JAX_BLINK_ONESHOT_BYTES"):
         return "one one-shot kernel (every rank writes into the other's inbox, one hop; JAX_BLINK_ONESHOT_BYTES)"
+    two_shot = _executor_bytes("JAX_BLINK_TWOSHOT_MIN_BYTES")
+    if n >= 3 and two_shot > 0 and nbytes >= two_shot:
+        return ("one two-shot kernel (reduce-scatter then all-gather, every byte a remote write into the peers' "
+                "outputs; JAX_BLINK_TWOSHOT_MIN_BYTES), not the trees below")
     return "the trees below"
 
 

@@ -19,6 +19,7 @@ import functools
 import math
 import secrets
 import socket
+import struct
 import threading
 import weakref
 
@@ -312,6 +313,39 @@ _IPC_KEY = "jax_blink/ipc/{}/{}/{}"  # comm_id, group, rank
 #: The collectives of the CUDA IPC executor, numbered as kernels/cuda/ipc.h's Collective.
 IPC_COLLECTIVES = {"allreduce": 0, "allgather": 1, "reducescatter": 2, "broadcast": 3, "reduce": 4}
 _PROBE_COMM = -1  # the job's probe region: can these processes open each other's memory?
+# What every rank of a call site states beside its CUDA IPC handle: operand bytes per rank, the
+# collective, its root, the rank count. Peers that differ would write past each other's regions
+# or wait for each other for ever (a process whose operand has another shape: issue 31), so the
+# set-up compares them first and fails every process with an error naming both.
+_IPC_HEADER = struct.Struct("<qiii")
+
+
+def ipc_record(nbytes: int, collective: str, root: int | None, n: int, payload: bytes) -> bytes:
+    """The store's record of one rank's set-up: :data:`_IPC_HEADER` then the CUDA IPC payload."""
+    return _IPC_HEADER.pack(int(nbytes), IPC_COLLECTIVES[collective], int(root or 0), int(n)) + bytes(payload)
+
+
+def ipc_unpack(record: bytes, nbytes: int, collective: str, root: int | None, n: int, *, comm_id: int,
+               rank: int, peer: int, peer_process: int) -> bytes:
+    """The CUDA IPC payload of a peer's ``record``; RuntimeError where the peer set up this call
+    site with another operand size, collective, root or rank count than this rank did."""
+    if len(record) < _IPC_HEADER.size:
+        raise RuntimeError(f"jax_blink (CUDA IPC, collective {comm_id}): rank {peer} (process {peer_process}) "
+                           "published a set-up record of another format: every process must run the same "
+                           "jax_blink version")
+    theirs = _IPC_HEADER.unpack_from(record)
+    mine = (int(nbytes), IPC_COLLECTIVES[collective], int(root or 0), int(n))
+    if theirs != mine:
+        names = {v: k for k, v in IPC_COLLECTIVES.items()}
+
+        def say(h):
+            return f"{h[0]} bytes per rank, {names.get(h[1], h[1])} (root {h[2]}) among {h[3]} ranks"
+        raise RuntimeError(
+            f"jax_blink (CUDA IPC, collective {comm_id}): rank {peer} (process {peer_process}) calls this "
+            f"collective with {say(theirs)}, rank {rank} of this process with {say(mine)}. Every rank must "
+            "pass an operand of the same shape and dtype to the same collective: make every process trace "
+            "the same program (same shapes, same call order)")
+    return record[_IPC_HEADER.size:]
 
 
 def _gpu_problem(what: str) -> str | None:
@@ -373,7 +407,7 @@ def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_
         payload = mod.ipc_create(comm_id, g, r, n, int(nbytes), int(dev.local_hardware_id),
                                  IPC_COLLECTIVES[collective], int(root or 0),
                                  [int(p) for p in rank_process[g * n:(g + 1) * n]])
-        client.key_value_set_bytes(_IPC_KEY.format(comm_id, g, r), payload)
+        client.key_value_set_bytes(_IPC_KEY.format(comm_id, g, r), ipc_record(nbytes, collective, root, n, payload))
     for g, r in mine:
         for q in range(n):
             if q == r:
@@ -385,4 +419,6 @@ def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_
                 raise RuntimeError(f"process {me} waited {setup_timeout_s():g} s for the CUDA IPC handle of "
                                    f"rank {q} (process {int(rank_process[g * n + q])}), which did not answer "
                                    f"({type(e).__name__})") from e
+            payload = ipc_unpack(payload, nbytes, collective, root, n, comm_id=comm_id, rank=r, peer=q,
+                                 peer_process=int(rank_process[g * n + q]))
             mod.ipc_open(comm_id, g, r, q, payload)

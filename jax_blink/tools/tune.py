@@ -107,7 +107,7 @@ def tune(begin: int, end: int, factor: int, dtypes: list[str], collectives: list
     finally:
         shutil.rmtree(work, ignore_errors=True)
     say(f"# derived {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} (lax only where it won every dtype "
-        f"by {100 * (1 - derive.LAX_WINS_BELOW):.0f}% or more; a dtype's own entry where its rows differ):")
+        f"by {100 * (1 - derive.lax_wins_below(key.device_kind)):.0f}% or more; a dtype's own entry where its rows differ):")
     for c in entries:
         say(f"  {_describe(c)}")
     if dry_run:

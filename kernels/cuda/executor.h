@@ -68,7 +68,7 @@ constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // LL up to here: it beats th
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: beyond, the trees are as fast
 // Two-shot all-reduce by remote writes (3+ GPUs, cuda/two_shot.cuh) from this size per rank; 0: off
 // (JAX_BLINK_TWOSHOT_MIN_BYTES overrides). Its pieces are about kTwoShotPieceBytes each.
-constexpr int64_t kDefaultTwoShotMinBytes = 0;
+constexpr int64_t kDefaultTwoShotMinBytes = 16 << 20;  // faster than the trees from here on 4 x H200 (NOTES, change 13)
 constexpr int64_t kTwoShotPieceBytes = 256 << 10;
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;

@@ -296,7 +296,8 @@ def test_module_api():
         assert sum(c["sites_by_mode"].values()) == c["num_sites"]
         assert c["host_bytes"] >= 0  # pinned host memory of its hybrid sites, per rank
     assert isinstance(_blink_cuda.comms(), list)
-    assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_collective_ipc", "jax_blink_collective_lite"}
+    assert set(_blink_cuda.registrations()) == {TARGET, "jax_blink_collective_ipc", "jax_blink_collective_lite",
+                                                "jax_blink_start", "jax_blink_done"}
 
 
 # One GPU: a one-rank program is the identity for every collective; the executor runs it as a

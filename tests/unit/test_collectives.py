@@ -359,6 +359,7 @@ def test_executor_size_defaults_match_the_cuda_header():
     assert value("kDefaultLLMaxBytes") == E.LL_BYTES
     assert value("kDefaultOneShotMaxBytes") == E.ONESHOT_BYTES
     assert value("kDefaultHostMinBytes") == E.HOST_MIN_BYTES
+    assert value("kDefaultTwoShotMinBytes") == E.TWOSHOT_MIN_BYTES
 
 
 def test_host_share_reaches_the_call_from_the_plan(monkeypatch):

@@ -17,10 +17,10 @@ N = min(4, len(DEVICES))
 K = 1 << 10
 
 
-def _bench_json(path, collective, n, points):
+def _bench_json(path, collective, n, points, device_kind="cpu"):
     """A bench result file as the bench writes it: points are (size column, dtype, speedup)."""
     rows = [dict(size=s, dtype=d, n=n, speedup=t, slope_speedup=t, wrong=0) for s, d, t in points]
-    path.write_text(json.dumps(dict(meta=dict(device_kind="cpu", n=n, collective=collective), rows=rows)))
+    path.write_text(json.dumps(dict(meta=dict(device_kind=device_kind, n=n, collective=collective), rows=rows)))
     return str(path)
 
 
@@ -171,3 +171,13 @@ def test_a_near_tie_is_left_to_the_executor(tmp_path):
         (K, "float32", 0.96), (4 * K, "float32", 0.94), (16 * K, "float32", 0.99)])
     assert derive.LAX_WINS_BELOW == 0.95
     assert derive.derive([run]).lax_ranges == ((2 * K, 8 * K),)
+
+
+def test_on_gpus_a_slower_executor_is_never_kept(tmp_path):
+    """GPU runs: lax wins a size where ours took 1% longer or more (derive.LAX_WINS_BELOW_GPU):
+    `auto` must not keep a path measured slower (issue 27), and GPU medians move by a few percent."""
+    run = _bench_json(tmp_path / "allreduce-g.json", "allreduce", 4, [
+        (K, "float32", 1.30), (4 * K, "float32", 0.96), (16 * K, "float32", 0.995), (64 * K, "float32", 0.97)],
+        device_kind="NVIDIA H200")
+    assert derive.LAX_WINS_BELOW_GPU == 0.99
+    assert derive.derive([run]).lax_ranges == ((2 * K, 8 * K), (32 * K, None))

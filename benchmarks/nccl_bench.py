@@ -3,7 +3,8 @@
 One process per GPU (``torch.distributed``, NCCL back end), out-of-place collectives on fresh
 random data, CUDA events around ``--iters`` back-to-back calls after ``--warmup`` calls, the
 slowest rank's time per call reported (as nccl-tests does). Sizes are bytes per rank of the
-operand (all-gather: of each rank's piece, like jax_blink's bench). Every size is checked once
+operand (all-gather: each rank's piece), as jax_blink's bench counts them; the ``size`` column is
+nccl-tests' (the larger of a rank's input and output), from which algbw and busbw are computed. Every size is checked once
 against a float64 sum of the ranks' data (all-reduce), so a wrong NCCL set-up cannot pass as fast.
 
     NCCL_NVLS_ENABLE=0 python benchmarks/nccl_bench.py -n 4 -b 1K -e 1G -f 4 -d float32,bfloat16 \
@@ -78,9 +79,11 @@ def _worker(rank: int, n: int, args: argparse.Namespace, port: int, queue) -> No
                 torch.cuda.synchronize()
                 t_us = torch.tensor([start.elapsed_time(stop) * 1e3 / args.iters], device="cuda")
                 dist.all_reduce(t_us, op=dist.ReduceOp.MAX)
-                nbytes = elems * esize
-                rows.append({"collective": coll, "dtype": dtype_name, "size": nbytes, "nccl_us": float(t_us.item()),
-                             "wrong": wrong})
+                nbytes = elems * esize  # each rank's operand
+                # nccl-tests' size: the larger of a rank's input and output (all-gather: its output)
+                size = nbytes * n if coll == "allgather" else nbytes
+                rows.append({"collective": coll, "dtype": dtype_name, "bytes_per_rank": nbytes, "size": size,
+                             "nccl_us": float(t_us.item()), "wrong": wrong})
                 size *= args.factor
     if rank == 0:
         queue.put(rows)
@@ -156,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         r["busbw"] = r["algbw"] * BUS_FACTOR[r["collective"]](n)
     print(f"NCCL {torch.cuda.nccl.version()} via torch.distributed, {n} x {name}, one process per GPU, "
           f"{args.iters} back-to-back calls (MEASURED)")
-    print(f"{'collective':>13} {'dtype':>9} {'bytes/rank':>11} {'time_us':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>6}")
+    print(f"{'collective':>13} {'dtype':>9} {'bytes/rank':>11} {'size':>11} {'time_us':>10} {'algbw':>8} {'busbw':>8} "
+          f"{'#wrong':>6}")
     for r in rows:
-        print(f"{r['collective']:>13} {r['dtype']:>9} {r['size']:>11} {r['nccl_us']:>10.1f} {r['algbw']:>8.1f} "
-              f"{r['busbw']:>8.1f} {r['wrong']:>6}")
+        print(f"{r['collective']:>13} {r['dtype']:>9} {r['bytes_per_rank']:>11} {r['size']:>11} {r['nccl_us']:>10.1f} "
+              f"{r['algbw']:>8.1f} {r['busbw']:>8.1f} {r['wrong']:>6}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         date = datetime.date.today().isoformat()
@@ -170,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(base + ".json", "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(base + ".csv", "w") as f:
-            f.write("collective,dtype,size,nccl_us,algbw,busbw,wrong\n")
+            f.write("collective,dtype,bytes_per_rank,size,nccl_us,algbw,busbw,wrong\n")
             for r in rows:
-                f.write(f"{r['collective']},{r['dtype']},{r['size']},{r['nccl_us']:.3f},{r['algbw']:.3f},"
-                        f"{r['busbw']:.3f},{r['wrong']}\n")
+                f.write(f"{r['collective']},{r['dtype']},{r['bytes_per_rank']},{r['size']},{r['nccl_us']:.3f},"
+                        f"{r['algbw']:.3f},{r['busbw']:.3f},{r['wrong']}\n")
         print("wrote", base + ".json")
     return 1 if any(r["wrong"] > 0 for r in rows) else 0
 

@@ -2,7 +2,8 @@
 paper's result in the model, every collective checked against lax and all_reduce timed against
 lax.psum on the devices here, :mod:`jax_blink.tools.demo`), ``plan``, ``crossover``, ``run
 SCRIPT.py [ARGS...]`` (a program's lax collectives on jax_blink, unedited: jax_blink.switch), and
-``bench`` / ``train``, which forward to ``python -m jax_blink.tools.bench`` / ``.tools.train``, and
+``bench`` / ``train`` / ``decode``, which forward to ``python -m jax_blink.tools.bench`` /
+``.tools.train`` / ``.tools.decode``, and
 ``tune`` (:mod:`jax_blink.tools.tune`: this machine's dispatch entries into the user's cache).
 
     python -m jax_blink plan --topology dgx1v --devices 0,1,4 --collective allreduce --plot trees.png
@@ -265,6 +266,7 @@ _EXAMPLES = f"""examples:
   {PROG} bench -c all -b 1K -e 1M  (= python -m jax_blink.tools.bench)
   {PROG} tune                      (measure this machine: dispatch="auto" follows its entries from then on)
   {PROG} train --model gpt2        (= python -m jax_blink.tools.train)
+  {PROG} decode --size 8b --tp 4   (= python -m jax_blink.tools.decode: tensor-parallel decoding)
   {PROG} COMMAND --help            (every size is bytes per rank: 65536, 512K, 16M, 1G)
 The jax-blink command (installed with the package) is the same as {PROG}.
 Without a GPU every command asks XLA for 8 CPU host devices before JAX starts (XLA_FLAGS), unless
@@ -348,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "which dispatch=\"auto\" follows from then on (tune --help)")
     sub.add_parser("train", help="data-parallel ResNet/GPT-2 training, psum against jax_blink "
                                  "(python -m jax_blink.tools.train; train --help)")
+    sub.add_parser("decode", help="tensor-parallel decoding of a Llama-shaped model, psum against jax_blink "
+                                  "(python -m jax_blink.tools.decode; decode --help)")
     pe = sub.add_parser("env", help="what a bug report needs: versions, executors and their GPU architectures, "
                                     "GPUs, driver, links, peer access, what jax_blink would run here")
     pe.set_defaults(func=cmd_env)
@@ -450,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         from jax_blink.tools.train.__main__ import main as train_main
         return train_main(argv[1:])
+    if argv[:1] == ["decode"]:
+        from jax_blink.tools.decode.__main__ import main as decode_main
+        return decode_main(argv[1:])
     flags_note = ensure_host_devices()
     parser = build_parser()
 

@@ -507,3 +507,12 @@ def test_explain_counts_one_tree():
     p = plan(Topology.preset("dgx1v").subset([0, 3, 4]), "broadcast", 0)
     assert p.num_trees == 1
     assert ": 1 tree, rate" in p.explain() and "1 trees" not in p.explain() + repr(p)
+
+
+def test_decode_forwards_to_the_decode_tool(capsys):
+    """``jax-blink decode`` is ``python -m jax_blink.tools.decode``: its arguments reach that tool,
+    whose errors name the option and what it takes."""
+    from jax_blink.tools import cli
+
+    assert cli.main(["decode", "--batch", "0"]) == 2
+    assert "--batch: got '0'; takes whole numbers >= 1" in capsys.readouterr().err

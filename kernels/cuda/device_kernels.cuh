@@ -491,30 +491,48 @@ __device__ void host_channel(const Params& p, Shared& sh, int hb) {
   }
 }
 
+// Every thread of a site kernel (tree, two-shot): this call's number k (the block's counter + 1),
+// the peers' site blocks and whether the device is stopped, into `sh`. The words are all loaded
+// before any is used: one memory round trip (as oneshot_begin). Ends with __syncthreads().
+__device__ __forceinline__ void site_begin(const Params& p, Shared& sh, const uint32_t* seq_word) {
+  const int tid = threadIdx.x;
+  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
+  const uint64_t pb = tid < p.nranks ? peer_base[tid] : 0;
+  const uint32_t seq = tid == 0 ? *seq_word : 0u;
+  const uint32_t claim = tid == 0 ? sync::ld_relaxed_sys_snapshot(p.dev_claim) : 0u;
+  if (tid < p.nranks) sh.peer_base[tid] = reinterpret_cast<uint8_t*>(pb);
+  if (tid == 0) {
+    sh.have = 0;
+    sh.k = seq + 1;
+    sh.fail = claim != 0u;
+  }
+  __syncthreads();
+}
+
+// Thread 0 of block 0: this call's (in, out) into every peer's pointer table (slot k & 1), then
+// the release flag: a peer that sees it knows this rank's kernel of call k runs (get_pointers).
+__device__ void publish_pointers(const Params& p, const Shared& sh) {
+  const int slot = 2 * p.rank + static_cast<int>(sh.k & 1u);
+  for (int dst = 0; dst < p.nranks; ++dst) {
+    if (dst == p.rank) continue;
+    uint8_t* base = sh.peer_base[dst];
+    sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot, reinterpret_cast<uint64_t>(p.in));
+    sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot, reinterpret_cast<uint64_t>(p.out));
+    sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
+  }
+}
+
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p) {
   using S = typename E::S;
   __shared__ Shared sh;
   const int tid = threadIdx.x;
   const int b = blockIdx.x;
-  const int n = p.nranks, me = p.rank;
   uint32_t* blk_seq = reinterpret_cast<uint32_t*>(p.site + p.off_blk_seq);
   const Unit* units = reinterpret_cast<const Unit*>(p.site + p.off_units);
   const TreeRank* trees = reinterpret_cast<const TreeRank*>(p.site + p.off_trees);
   const int32_t* kids = reinterpret_cast<const int32_t*>(p.site + p.off_kids);
-  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
-  {  // the prologue's words, all loaded before any is used: one memory round trip (oneshot_begin)
-    const uint64_t pb = tid < n ? peer_base[tid] : 0;
-    const uint32_t seq = tid == 0 ? blk_seq[b] : 0u;
-    const uint32_t claim = tid == 0 ? sync::ld_relaxed_sys_snapshot(p.dev_claim) : 0u;
-    if (tid < n) sh.peer_base[tid] = reinterpret_cast<uint8_t*>(pb);
-    if (tid == 0) {
-      sh.have = 0;
-      sh.k = seq + 1;
-      sh.fail = claim != 0u;
-    }
-  }
-  __syncthreads();
+  site_begin(p, sh, blk_seq + b);
   if (sh.fail) {  // the device is stopped: tell the peers, do nothing, keep the counter
     if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
     if (b >= p.grid && p.host_ce) host_channel_ce<E, Op>(p, sh, b - p.grid);  // releases the side stream
@@ -525,18 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1) collective_kernel(const Params p)
   const bool alias = p.in == p.out;
   if (tid == 0) {
     sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
-    if (b == 0) {  // publish this call's pointers into every peer's table (slot k & 1), then the flag
-      const int slot = 2 * me + static_cast<int>(sh.k & 1u);
-      for (int dst = 0; dst < n; ++dst) {
-        if (dst == me) continue;
-        uint8_t* base = sh.peer_base[dst];
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot,
-                                 reinterpret_cast<uint64_t>(p.in));
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot,
-                                 reinterpret_cast<uint64_t>(p.out));
-        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
-      }
-    }
+    if (b == 0) publish_pointers(p, sh);
   }
 
   // Elements outside every segment: out = in, each gap split over the grid.

@@ -67,19 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
   __shared__ S tail_out[kMaxTwoShotTail];
   const int tid = threadIdx.x, b = blockIdx.x, n = p.nranks, me = p.rank;
   uint32_t* blk_seq = reinterpret_cast<uint32_t*>(p.site + p.off_blk_seq);
-  const uint64_t* peer_base = reinterpret_cast<const uint64_t*>(p.site + p.off_peer_base);
-  {
-    const uint64_t pb = tid < n ? peer_base[tid] : 0;
-    const uint32_t seq = tid == 0 ? blk_seq[b] : 0u;
-    const uint32_t claim = tid == 0 ? sync::ld_relaxed_sys_snapshot(p.dev_claim) : 0u;
-    if (tid < n) sh.peer_base[tid] = reinterpret_cast<uint8_t*>(pb);
-    if (tid == 0) {
-      sh.have = 0;
-      sh.k = seq + 1;
-      sh.fail = claim != 0u;
-    }
-  }
-  __syncthreads();
+  site_begin(p, sh, blk_seq + b);
   if (sh.fail) {
     if (b == 0 && tid == 0) fail_call(p, sh, 0, -1, -1, 0, 0, 0);
     return;
@@ -89,16 +77,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
   const int64_t C = p.ts_chunk, Q = p.ts_pieces, G = p.grid;
   if (tid == 0) {
     sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
-    if (b == 0) {  // this call's pointers into every peer's table (slot k & 1), then the flag
-      const int slot = 2 * me + static_cast<int>(sh.k & 1u);
-      for (int dst = 0; dst < n; ++dst) {
-        if (dst == me) continue;
-        uint8_t* base = sh.peer_base[dst];
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_in) + slot, reinterpret_cast<uint64_t>(p.in));
-        sync::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(base + p.off_ptr_out) + slot, reinterpret_cast<uint64_t>(p.out));
-        sync::st_release_sys(reinterpret_cast<uint32_t*>(base + p.off_ptr_flag) + slot, sh.k);
-      }
-    }
+    if (b == 0) publish_pointers(p, sh);
     bool ok = true, alias = p.in == p.out;
     for (int s = 0; ok && s < n; ++s) {
       if (s == me) continue;

@@ -42,14 +42,16 @@ def _host_min_bytes() -> int:
     return max(_executor_bytes("JAX_BLINK_HOST_MIN_BYTES"), 1)
 
 
-def _gpu_kernel(n: int, nbytes: int) -> str:
-    """Which kernel the CUDA executor runs for an all-reduce of ``nbytes`` per rank on ``n`` GPUs."""
+def _gpu_kernel(n: int, nbytes: int, switch: bool = False) -> str:
+    """Which kernel the CUDA executor runs for an all-reduce of ``nbytes`` per rank on ``n`` GPUs
+    (``switch``: every pair linked alike, so the plan is one-hop stars, which the two-shot kernel
+    takes from its size on)."""
     if nbytes <= _executor_bytes("JAX_BLINK_LL_BYTES") and n <= 8:
         return "one LL kernel (data and flag in one 8-byte store, one hop; JAX_BLINK_LL_BYTES)"
     if n == 2 and nbytes <= _executor_bytes("JAX_BLINK_ONESHOT_BYTES"):
         return "one one-shot kernel (every rank writes into the other's inbox, one hop; JAX_BLINK_ONESHOT_BYTES)"
     two_shot = _executor_bytes("JAX_BLINK_TWOSHOT_MIN_BYTES")
-    if n >= 3 and two_shot > 0 and nbytes >= two_shot:
+    if switch and n >= 3 and two_shot > 0 and nbytes >= two_shot:
         return ("one two-shot kernel (reduce-scatter then all-gather, every byte a remote write into the peers' "
                 "outputs; JAX_BLINK_TWOSHOT_MIN_BYTES), not the trees below")
     return "the trees below"
@@ -65,13 +67,13 @@ def _topology_platform(topology: Topology) -> str:
     return "cpu" if kinds == {"host"} else "gpu"
 
 
-def _executor_line(platform: str, collective: str, n: int, nbytes: int) -> str:
+def _executor_line(platform: str, collective: str, n: int, nbytes: int, switch: bool = False) -> str:
     """Which executor runs ``collective`` on ``n`` devices of ``platform``, and how."""
     if platform == "cpu":
         return (f"CPU executor: {nbytes} bytes per rank on {n} CPU host devices run through the trees "
                 "below (a thread per device, meeting its peers in this process)")
     if collective == "allreduce":
-        return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes)}"
+        return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes, switch)}"
     return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run through the trees below"
 
 
@@ -171,7 +173,7 @@ def explain(topology: Topology, nbytes: int, collective: str = "allreduce", *, r
         lines.append(allreduce_choice(topology, total * itemsize, method).line())
     platform = _topology_platform(topology)
     kind = device_kind or (_device_kind() if platform == _platform() else None)
-    lines.append(_executor_line(platform, collective, n, nbytes))
+    lines.append(_executor_line(platform, collective, n, nbytes, switch=set(topology.kinds()) == {"switch"}))
     lines.append(_dispatch_line(kind, platform, collective, n, nbytes, np.dtype(jnp.dtype(dtype)).name))
     # No device kind: no tuned chunk either (the cache is keyed by it), the schedule's default.
     chunk = chunk_bytes_for(collective, n, total * itemsize, dtype, kind) \

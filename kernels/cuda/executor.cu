@@ -923,15 +923,28 @@ std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& p
   return {};
 }
 
-// The two-shot all-reduce (cuda/two_shot.cuh) instead of the trees: an all-reduce site on 3 or
-// more ranks of at least JAX_BLINK_TWOSHOT_MIN_BYTES per rank whose n chunks are each at least
-// one 16-byte atom. Sets the chunk, the pieces (a multiple of the grid, about kTwoShotPieceBytes
+// The two-shot all-reduce (cuda/two_shot.cuh) instead of the trees: an all-reduce site of one-hop
+// stars on 3 or more ranks, of at least JAX_BLINK_TWOSHOT_MIN_BYTES per rank, whose n chunks are
+// each at least one 16-byte atom. Sets the chunk, the pieces (a multiple of the grid, about kTwoShotPieceBytes
 // each) and *pieces; 0 where the trees stay.
+// Whether every tree with data is a one-hop star (every rank's parent is the root): the program a
+// switch gets, where every pair of GPUs has the same link. Elsewhere (a DGX-1's hybrid cube-mesh)
+// the trees keep to the fast links and the two-shot kernel, which writes to every peer, would not.
+bool IsOneHopStars(const Program& prog) {
+  for (int t = 0; t < prog.ntrees(); ++t) {
+    const TreeView& tv = prog.tree(t);
+    if (tv.seg_len == 0) continue;
+    for (int r = 0; r < prog.nranks(); ++r)
+      if (r != tv.root && tv.parent[r] != tv.root) return false;
+  }
+  return true;
+}
+
 int64_t ChooseTwoShot(const Program& prog, bool allreduce, int esize, int G, Params* base) {
   const int n = prog.nranks();
   const int64_t min_bytes = DefaultTwoShotMin();
   const int64_t payload = prog.total_elems() * esize;
-  if (!allreduce || n < 3 || min_bytes <= 0 || payload < min_bytes) return 0;
+  if (!allreduce || n < 3 || min_bytes <= 0 || payload < min_bytes || !IsOneHopStars(prog)) return 0;
   const int64_t align = std::max(1, 16 / esize);
   const int64_t chunk = prog.total_elems() / (n * align) * align;
   if (chunk <= 0) return 0;

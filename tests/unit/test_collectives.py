@@ -324,6 +324,18 @@ def test_explain_names_trees_and_chunks():
     assert "tree 0" in text and "chunk" in text and "bound" in text
 
 
+def test_explain_names_the_two_shot_kernel_on_a_switch_only(monkeypatch):
+    """3+ GPUs behind a switch take the two-shot kernel from JAX_BLINK_TWOSHOT_MIN_BYTES (16 MiB);
+    a DGX-1V (its trees keep to the fast links) and smaller sizes keep the trees."""
+    monkeypatch.delenv("JAX_BLINK_TWOSHOT_MIN_BYTES", raising=False)
+    quad = jax_blink.Topology.preset("nvswitch:4")
+    assert "run as one two-shot kernel" in jax_blink.explain(quad, 64 << 20)
+    assert "run as the trees" in jax_blink.explain(quad, 4 << 20)
+    assert "run as the trees" in jax_blink.explain(jax_blink.Topology.preset("dgx1v").subset([0, 1, 2, 3]), 64 << 20)
+    monkeypatch.setenv("JAX_BLINK_TWOSHOT_MIN_BYTES", "0")  # off
+    assert "run as the trees" in jax_blink.explain(quad, 64 << 20)
+
+
 def test_explain_names_the_gpu_kernel_and_the_dispatch(monkeypatch):
     from jax_blink.lowering import dispatch_table as tuning
 

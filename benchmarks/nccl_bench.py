@@ -129,8 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --factor >= 2 and --end >= --begin")
     import socket
 
-    import torch
-    import torch.multiprocessing as mp
+    try:
+        import torch
+        import torch.multiprocessing as mp
+    except ImportError:
+        ap.error("needs PyTorch with CUDA (torch.distributed's NCCL back end): pip install torch")
+    if not torch.cuda.is_available():
+        ap.error("needs CUDA GPUs (torch sees none)")
 
     n = args.gpus or torch.cuda.device_count()
     if n < 2 or n > torch.cuda.device_count():

@@ -49,6 +49,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
+import children  # noqa: E402  (tests/helpers/children.py: GPU count, bounded children)
+
 CASES = ("skip", "never", "unmapped", "setup", "kill", "shape")
 IPC_CASES = CASES[1:]
 #: Cases that share one job, in this order (the killed process last); the others get a job each.
@@ -469,7 +472,7 @@ def _run_children(argvs: list[list[str]], timeout_s: float, env: dict | None = N
     logs = [tempfile.TemporaryFile("w+") for _ in argvs]  # files, not pipes: a full pipe stalls a child
     procs = [subprocess.Popen(a, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**os.environ, **(env or {})}) for a, log in zip(argvs, logs)]
-    _note_children(procs)
+    children.note_children(procs)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
@@ -491,36 +494,6 @@ def _run_children(argvs: list[list[str]], timeout_s: float, env: dict | None = N
         phases = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("PHASE ")]
         out.append({"rc": p.returncode, "killed_at_deadline": killed, "phases": phases, "tail": text[-2500:]})
     return out
-
-
-def _note_children(procs) -> None:
-    """Bound the children beyond this process: each leads a process group of its own, which
-    SIGTERM to this process kills (``timeout`` around it), and CHILD_PIDS_FILE, where set, lists
-    them for the calling script to kill after its own deadline (SIGKILL reaches nobody's handler)."""
-    path = os.environ.get("CHILD_PIDS_FILE")
-    if path:
-        with open(path, "a") as f:
-            f.write("".join(f"{p.pid}\n" for p in procs))
-
-    def stop(signum, frame):
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in procs:
-            p.wait()
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
-def _gpu_count() -> int:
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU "))
 
 
 def _summarise(case: str, reports: list[dict], job: dict | None) -> dict:
@@ -593,7 +566,7 @@ def main(argv=None) -> int:
         ap.error("--processes must be 2 or more")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         ap.error(f"no folder to write {args.out!r} in")
-    gpus = _gpu_count() if args.platform == "gpu" else 0
+    gpus = children.gpu_count() if args.platform == "gpu" else 0
     if args.platform == "gpu" and gpus == 0:
         ap.error("--platform gpu needs a CUDA GPU (nvidia-smi lists none); --platform cpu runs the CPU executor")
     layout = "distinct" if gpus >= args.processes else "shared"

@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+import children  # tests/helpers (this script's folder, first on its path)
+
 
 #: Every collective the self-test checks: (name, variant), the variant its keyword arguments.
 #: "extra": checked for float32 only (layouts and roots; the dtype paths are the same).
@@ -239,36 +241,6 @@ def _kernel_profile(fn, x) -> dict:
             "span_us": round((ev[-1][3] + ev[-1][4] - ev[0][3]) / 1e3, 1) if ev else None}
 
 
-def _note_children(procs) -> None:
-    """Bound the children beyond this process: each leads a process group of its own, which
-    SIGTERM to this process kills (``timeout`` around it), and CHILD_PIDS_FILE, where set, lists
-    them for the calling script to kill after its own deadline (SIGKILL reaches nobody's handler)."""
-    path = os.environ.get("CHILD_PIDS_FILE")
-    if path:
-        with open(path, "a") as f:
-            f.write("".join(f"{p.pid}\n" for p in procs))
-
-    def stop(signum, frame):
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in procs:
-            p.wait()
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
-def _gpu_count() -> int:
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for ln in r.stdout.splitlines() if ln.startswith("GPU "))
-
-
 def main() -> int:
     if len(sys.argv) >= 3 and sys.argv[1] == "--child":
         r = child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "distinct", int(sys.argv[5]))
@@ -293,12 +265,12 @@ def main() -> int:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             ap.error(f"no folder {folder!r} to write {path!r} in")
-    if _gpu_count() == 0:
+    if children.gpu_count() == 0:
         ap.error("needs a CUDA GPU (nvidia-smi lists none); tests/gpu/test_cuda_ipc.py skips without one")
     out = args.out
     # With N GPUs each process takes its own (one process per GPU, as launchers run jobs);
     # with fewer, all share GPU 0. --shared forces the shared layout.
-    distinct = _gpu_count() >= nproc and not args.shared
+    distinct = children.gpu_count() >= nproc and not args.shared
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -309,7 +281,7 @@ def main() -> int:
                               "distinct" if distinct else "shared", str(nproc)], stdout=log,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for i, log in enumerate(logs)]
-    _note_children(procs)
+    children.note_children(procs)
     deadline = time.monotonic() + 600
     timed_out = False
     for p in procs:

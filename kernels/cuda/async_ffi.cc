@@ -40,6 +40,7 @@
 #include "common/ffi_binding.h"
 #include "cuda/async_ffi.h"
 #include "cuda/executor.h"
+#include "cuda/gpu_binding.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -70,18 +71,6 @@ std::string AsyncBlocks(int* out) {
            std::to_string(kDefaultAsyncBlocks) + ")";
   *out = static_cast<int>(b);
   return {};
-}
-
-bool ToDType(ffi::DataType dt, jbc::DType* out) {
-  switch (dt) {
-    case ffi::DataType::F32: *out = jbc::DType::kF32; return true;
-    case ffi::DataType::F64: *out = jbc::DType::kF64; return true;
-    case ffi::DataType::BF16: *out = jbc::DType::kBF16; return true;
-    case ffi::DataType::F16: *out = jbc::DType::kF16; return true;
-    case ffi::DataType::S32: *out = jbc::DType::kS32; return true;
-    case ffi::DataType::S64: *out = jbc::DType::kS64; return true;
-    default: return false;
-  }
 }
 
 // Per device: the side stream (created once, non-blocking, the highest priority so that its
@@ -171,7 +160,7 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
                  ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
   jbc::DType dtype;
   const ffi::DataType dt = x.element_type();
-  if (!ToDType(dt, &dtype))
+  if (!jbc::ToDType(dt, &dtype))
     return Fail(ffi::ErrorCode::kInvalidArgument, device, comm_id,
                 "dtype not supported; supported: float32, float64, bfloat16, float16, int32, int64");
   if (out->element_type() != dt || out->element_count() != x.element_count() || passed->element_type() != dt ||

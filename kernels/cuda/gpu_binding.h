@@ -7,7 +7,26 @@
 #include <cuda_runtime_api.h>
 
 #include "common/ffi_binding.h"
+#include "cuda/executor.h"
 #include "xla/ffi/api/ffi.h"
+
+namespace jax_blink::cuda {
+
+// The executor's element type of an XLA buffer's; false for a type the executor does not take.
+inline bool ToDType(xla::ffi::DataType dt, DType* out) {
+  using xla::ffi::DataType;
+  switch (dt) {
+    case DataType::F32: *out = DType::kF32; return true;
+    case DataType::F64: *out = DType::kF64; return true;
+    case DataType::BF16: *out = DType::kBF16; return true;
+    case DataType::F16: *out = DType::kF16; return true;
+    case DataType::S32: *out = DType::kS32; return true;
+    case DataType::S64: *out = DType::kS64; return true;
+    default: return false;
+  }
+}
+
+}  // namespace jax_blink::cuda
 
 #define JAX_BLINK_GPU_CONTEXTS \
   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>().Ctx<xla::ffi::DeviceOrdinal>()

@@ -61,18 +61,6 @@ namespace {
 
 std::atomic<uint64_t> g_generation{1};  // bumped by release(): invalidates the threads' caches
 
-bool ToDType(ffi::DataType dt, jbc::DType* out) {
-  switch (dt) {
-    case ffi::DataType::F32: *out = jbc::DType::kF32; return true;
-    case ffi::DataType::F64: *out = jbc::DType::kF64; return true;
-    case ffi::DataType::BF16: *out = jbc::DType::kBF16; return true;
-    case ffi::DataType::F16: *out = jbc::DType::kF16; return true;
-    case ffi::DataType::S32: *out = jbc::DType::kS32; return true;
-    case ffi::DataType::S64: *out = jbc::DType::kS64; return true;
-    default: return false;
-  }
-}
-
 const char* FfiDtypeName(ffi::DataType dt) {
   switch (dt) {
     case ffi::DataType::PRED: return "bool";
@@ -198,7 +186,7 @@ std::string Where(int32_t device, int64_t comm_id) {  // error messages only
 ffi::Error CheckCall(int32_t device, int64_t comm_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>& out,
                      jbc::DType* dtype) {
   const ffi::DataType dt = x.element_type();
-  if (!ToDType(dt, dtype))
+  if (!jbc::ToDType(dt, dtype))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       Where(device, comm_id) + "dtype " + FfiDtypeName(dt) +
                           " is not supported; supported: float32, float64, bfloat16, float16, int32, int64");

@@ -23,7 +23,6 @@ the call-order chain (:mod:`jax_blink.lowering.call_order`) orders it like any o
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -36,10 +35,9 @@ from jax_blink.options import config
 from jax_blink.planning import schedule as _schedule
 
 #: GPU: launch the all-reduce on the side stream; results (operand passed through, result).
-TARGET_START = "jax_blink_start"
+TARGET_START = _backends.TARGET_START
 #: GPU: XLA's stream waits for the oldest start of the same site; result = the start's result.
-TARGET_DONE = "jax_blink_done"
-
+TARGET_DONE = _backends.TARGET_DONE
 
 @dataclasses.dataclass(frozen=True)
 class Site:
@@ -55,18 +53,12 @@ class Site:
     platform: str
 
 
-@functools.cache
 def register_async(platform: str) -> bool:
-    """Register the start and done handlers of ``platform``'s executor with XLA (once); False where
-    this build has none (CPU has none: there the synchronous call stands in)."""
-    if platform != "gpu" or not _backends.register(platform):
-        return False
-    regs = _backends.module(platform).registrations()
-    if TARGET_START not in regs or TARGET_DONE not in regs:
-        return False
-    for target in (TARGET_START, TARGET_DONE):
-        jax.ffi.register_ffi_target(target, regs[target], platform="CUDA")
-    return True
+    """Whether ``platform``'s executor has the start and done handlers, registered with XLA (by
+    :func:`jax_blink.lowering.backends.register`, with the rest); False on CPU, where the
+    synchronous call stands in."""
+    return (platform == "gpu" and _backends.register(platform)
+            and TARGET_START in _backends.module(platform).registrations())
 
 
 def runs_async(platform: str) -> bool:

@@ -22,6 +22,9 @@ TARGET_LITE_CB = "jax_blink_collective_lite_cb"
 TARGET_MP = "jax_blink_collective_mp"
 #: GPU: every collective across processes through CUDA IPC (kernels/cuda/ipc.h).
 TARGET_IPC = "jax_blink_collective_ipc"
+#: The asynchronous all-reduce's pair (GPU, kernels/cuda/async_ffi.cc; lowering/async_call.py): the
+#: start launches on a side stream, the done makes XLA's stream wait for it.
+TARGET_START, TARGET_DONE = "jax_blink_start", "jax_blink_done"
 #: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
 TARGET_AFTER = "jax_blink_after"
 
@@ -58,7 +61,7 @@ def register(platform: str) -> bool:
     if TARGET_LITE in plain:
         jax.ffi.register_ffi_target(TARGET_LITE, plain[TARGET_LITE], platform=xla_platform)
         jax.ffi.register_ffi_target(TARGET_LITE_CB, graph[TARGET_LITE], platform=xla_platform)
-    for probe in (TARGET_MP, TARGET_AFTER, TARGET_IPC):
+    for probe in (TARGET_MP, TARGET_AFTER, TARGET_IPC, TARGET_START, TARGET_DONE):
         if probe in plain:
             jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True

@@ -169,7 +169,7 @@ def host_engine() -> str:
     """The CUDA executor's host-channel engine for the calls lowered now: ``JAX_BLINK_HOST_ENGINE``
     (``"ce"`` or ``"sm"``, read as the executor reads it), else the default; always ``"sm"`` with
     command buffers, whose handler keeps the SM channel (copy engines are enqueued per call)."""
-    if config.command_buffers:
+    if config.command_buffers is True:
         return "sm"
     return env_value("JAX_BLINK_HOST_ENGINE", _engine, f"{' or '.join(sorted(HOST_PATH_EFFICIENCY))} "
                      f"(unset: {DEFAULT_HOST_ENGINE})", default=DEFAULT_HOST_ENGINE)
@@ -219,7 +219,8 @@ def collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     elif result_type.shape != flat.shape or result_type.dtype != flat.dtype:
         raise AssertionError(f"the call's result type {result_type} must be the lax expression's type of "
                              f"shape {flat.shape} and dtype {flat.dtype}")
-    target = _backends.TARGET_CB if config.command_buffers else _backends.TARGET
+    target = (_backends.TARGET_CB if captured_handler(platform, collective, n, int(flat.size) * itemsize)
+              else _backends.TARGET)
     extra = {}
     comm_id = _next_comm_id()
     if jax.process_count() > 1:  # ranks in several processes: shared memory (CPU), CUDA IPC (GPU)
@@ -255,6 +256,20 @@ def collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
     return call(flat, rank, group, program=program,
                 op=call_op, comm_id=np.int64(comm_id), timeout_ms=timeout_ms,
                 host_share=np.float32(share), **extra)
+
+
+def captured_handler(platform: str, collective: str, n: int, nbytes: int) -> bool:
+    """Whether a call lowered now takes the handler that XLA may capture in its command buffers
+    (``config.command_buffers``): always (True), never (False), or under ``"auto"`` for the
+    all-reduces that the CUDA executor runs in one hop (at most ``LL_MAX_BYTES`` per rank on at most
+    ``LL_MAX_RANKS`` GPUs): the latency-bound calls of a decode step, where a call outside XLA's
+    graph split it (2 x H200: 5.8 against 3.6 us per all-reduce inside a step, docs/tensor_parallel.md),
+    and never the host channel's sizes."""
+    cb = config.command_buffers
+    if cb == "auto":
+        return (platform == "gpu" and collective == "allreduce" and n <= _forms.LL_MAX_RANKS
+                and nbytes <= _forms.LL_MAX_BYTES)
+    return bool(cb)
 
 
 def _light_binding(platform: str) -> bool:

@@ -4,8 +4,10 @@
 ``JAX_BLINK_CHUNK_BYTES`` pipelining chunk in bytes (65536, 512K, 16M; default: the schedule's); ``auto``: the chunk
                           that ``jax_blink.tools.autotune.tune_chunk`` measured best for this device
                           kind, rank count, collective, dtype and size class, where it has one
-``JAX_BLINK_COMMAND_BUFFERS`` ``1``: lower to the handler that XLA may capture in CUDA graphs
-                          (the first call of each call site must run uncaptured)
+``JAX_BLINK_COMMAND_BUFFERS`` ``auto`` (default): the handler that XLA may capture in CUDA graphs for
+                          one-hop all-reduces (<= 512 KiB per rank, one process), the plain one for the
+                          rest; ``1``: that handler for every GPU call; ``0``: never (the first call of
+                          each call site must run uncaptured: XLA's first run of a program does)
 ``JAX_BLINK_DISPATCH``    ``auto`` (default): ``all_reduce`` uses ``lax.psum`` where that was measured
                           faster (jax_blink/lowering/dispatch_table.py); ``blink``: always the executor; ``lax``: never
 ``JAX_BLINK_FALLBACK``    ``warn`` (default): use ``lax`` collectives with one warning where no
@@ -98,9 +100,11 @@ def _choice(field: str, choices: tuple[str, ...]):
     return check
 
 
-def _check_command_buffers(value) -> bool:
+def _check_command_buffers(value) -> bool | str:
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"command_buffers must be True or False, {_got(value)}")
+        raise TypeError(f"command_buffers must be True, False or {AUTO!r}, {_got(value)}")
     return bool(value)
 
 
@@ -153,8 +157,10 @@ class Options:
             tuning cache) or None, the schedule's default of 512 KiB (``JAX_BLINK_CHUNK_BYTES``).
         fallback: Where no executor can run a call: ``"warn"`` (``lax``, with one warning that
             says why), ``"raise"`` or ``"silent"`` (``JAX_BLINK_FALLBACK``).
-        command_buffers: Lower GPU calls to the handler XLA may capture in CUDA graphs
-            (``JAX_BLINK_COMMAND_BUFFERS``, default False).
+        command_buffers: Lower GPU calls to the handler XLA may capture in CUDA graphs: True for
+            every call, False for none, ``"auto"`` for the one-hop all-reduces of one process (at
+            most 512 KiB per rank; no host channel, whose copy engines cannot be captured)
+            (``JAX_BLINK_COMMAND_BUFFERS``, default ``"auto"``).
         dispatch: ``"auto"`` (``lax`` where it was measured faster for that collective, size,
             dtype and machine), ``"blink"`` (always the executor) or ``"lax"``
             (``JAX_BLINK_DISPATCH``, default ``"auto"``).
@@ -171,7 +177,7 @@ class Options:
     timeout_s: float = 10.0
     chunk_bytes: int | str | None = None  # bytes, "auto" (tuned, jax_blink.tools.autotune) or None
     fallback: str = "warn"
-    command_buffers: bool = False
+    command_buffers: bool | str = AUTO  # True, False, or "auto": the one-hop all-reduces
     dispatch: str = "auto"
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
@@ -218,6 +224,10 @@ def _parse_chunk(text: str) -> int | str:
     return AUTO if text.lower() == AUTO else parse_byte_count(text)
 
 
+def _parse_flag_or_auto(text: str) -> bool | str:
+    return AUTO if text.lower() == AUTO else _parse_flag(text)
+
+
 def _parse_flag(text: str) -> bool:
     if text.lower() not in _TRUE + _FALSE:
         raise ValueError("not 1/true/yes/on or 0/false/no/off")
@@ -230,7 +240,8 @@ _ENV_OPTIONS = {
     "JAX_BLINK_CHUNK_BYTES": ("chunk_bytes", _parse_chunk,
                               f"a number of bytes >= {_MIN_CHUNK_BYTES} (65536, 512K, 16M) or {AUTO!r}"),
     "JAX_BLINK_DISPATCH": ("dispatch", str.lower, " / ".join(_DISPATCH)),
-    "JAX_BLINK_COMMAND_BUFFERS": ("command_buffers", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_COMMAND_BUFFERS": ("command_buffers", _parse_flag_or_auto,
+                                  f"{AUTO}, 1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_FALLBACK": ("fallback", str.lower, " / ".join(_FALLBACKS)),
     "JAX_BLINK_MERGE_BYTES": ("merge_bytes", parse_byte_count, "a number of bytes >= 0 (0: no merging; 25M by default)"),
     "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),

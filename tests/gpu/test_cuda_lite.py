@@ -92,7 +92,7 @@ def test_an_unregistered_call_site_is_refused_by_name():
         np.asarray(jax.jit(lambda v: call(v, jnp.int32(0), jnp.int32(0), comm_id=np.int64(cid)))(x))
 
 
-def _two_gpu_all_reduce(full_binding: bool, monkeypatch):
+def _two_gpu_all_reduce(full_binding: bool, monkeypatch, command_buffers=False):
     gpus = _gpus()
     if len(gpus) < 2:
         pytest.skip("needs >= 2 GPUs")
@@ -101,7 +101,7 @@ def _two_gpu_all_reduce(full_binding: bool, monkeypatch):
     mesh = jax.make_mesh((2,), ("x",), devices=gpus[:2])
     x = jax.device_put(jnp.asarray(np.random.default_rng(5).standard_normal((2, 1000)), jnp.float32),
                        NamedSharding(mesh, P("x")))
-    with override(dispatch="blink"):
+    with override(dispatch="blink", command_buffers=command_buffers):
         f = jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
         text = f.lower(x).as_text()
         got = np.asarray(f(x), np.float64)
@@ -115,6 +115,15 @@ def _two_gpu_all_reduce(full_binding: bool, monkeypatch):
 def test_all_reduce_lowers_to_the_light_binding_and_matches_the_sum(monkeypatch):
     text = _two_gpu_all_reduce(False, monkeypatch)
     assert "@jax_blink_collective_lite(" in text and "program" not in text.split("@jax_blink_collective_lite(")[1][:400]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_small_all_reduce_takes_the_capturable_light_binding_by_default(monkeypatch):
+    """command_buffers="auto" (the default): a one-hop all-reduce (4000 B) lowers to the light
+    handler that XLA may capture, and gives the sum."""
+    text = _two_gpu_all_reduce(False, monkeypatch, command_buffers="auto")
+    assert f"@{_backends.TARGET_LITE_CB}(" in text
 
 
 @needs_gpu

@@ -409,6 +409,8 @@ def test_host_share_reaches_the_call_from_the_plan(monkeypatch):
     assert C.host_engine() == "ce"
     assert C._host_share("gpu", pair, "allreduce", None, "exact") == pytest.approx(
         hybrid_share(jax_blink.plan(pair, "allreduce"), "ce")[1])
+    monkeypatch.setattr(jax_blink.config, "command_buffers", "auto")  # only small calls: engine kept
+    assert C.host_engine() == "ce"
     monkeypatch.setattr(jax_blink.config, "command_buffers", True)  # that handler keeps the SMs
     assert C.host_engine() == "sm"
     monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "bogus")  # unknown: an error naming it, not the default
@@ -666,3 +668,21 @@ def test_calls_are_pure_yet_never_merged_and_an_unused_one_is_dropped():
     g = _smap(unused, mesh, P("x"), P("x"))
     assert "jax_blink_collective" not in g.lower(x).compile().as_text()
     np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(x) * 2)
+
+
+def test_captured_handler_choice(monkeypatch):
+    """command_buffers="auto" (the default) gives the capturable handler to the one-hop all-reduces
+    of GPUs (<= 512 KiB per rank, <= 8 ranks) and to nothing else; True and False are absolute."""
+    from jax_blink.lowering import custom_call as C
+    from jax_blink.planning.forms import LL_MAX_BYTES, LL_MAX_RANKS
+    monkeypatch.setattr(jax_blink.config, "command_buffers", "auto")
+    assert C.captured_handler("gpu", "allreduce", 4, 16 << 10)
+    assert C.captured_handler("gpu", "allreduce", LL_MAX_RANKS, LL_MAX_BYTES)
+    assert not C.captured_handler("gpu", "allreduce", 4, LL_MAX_BYTES + 1)
+    assert not C.captured_handler("gpu", "allreduce", LL_MAX_RANKS + 1, 1024)
+    assert not C.captured_handler("gpu", "allgather", 4, 1024)
+    assert not C.captured_handler("cpu", "allreduce", 4, 1024)
+    monkeypatch.setattr(jax_blink.config, "command_buffers", True)
+    assert C.captured_handler("gpu", "allgather", 4, 1 << 30)
+    monkeypatch.setattr(jax_blink.config, "command_buffers", False)
+    assert not C.captured_handler("gpu", "allreduce", 2, 1024)

@@ -30,7 +30,7 @@ GOOD = {
     "chunk_bytes": [(None, None), ("auto", "auto"), (16, 16), (1 << 20, 1 << 20), (np.int64(4096), 4096)],
     "dispatch": [("auto", "auto"), ("blink", "blink"), ("lax", "lax")],
     "fallback": [("warn", "warn"), ("raise", "raise"), ("silent", "silent")],
-    "command_buffers": [(True, True), (False, False), (np.bool_(True), True)],
+    "command_buffers": [(True, True), (False, False), (np.bool_(True), True), ("auto", "auto")],
     "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
@@ -57,8 +57,8 @@ BAD = [
     ("dispatch", None, TypeError, "'auto', 'blink', 'lax'"),
     ("fallback", "loud", ValueError, "'warn', 'raise', 'silent'"),
     ("fallback", 1, TypeError, "'warn', 'raise', 'silent'"),
-    ("command_buffers", 1, TypeError, "True or False"),
-    ("command_buffers", "yes", TypeError, "True or False"),
+    ("command_buffers", 1, TypeError, "True, False or 'auto'"),
+    ("command_buffers", "yes", TypeError, "True, False or 'auto'"),
     ("merge_bytes", -1, ValueError, ">= 0"),
     ("merge_bytes", 1.5, TypeError, "whole number of bytes"),
     ("merge_bytes", True, TypeError, "whole number of bytes"),
@@ -156,6 +156,8 @@ def test_options_from_the_environment():
     assert options._from_env({k: "" for k in env}) == options.Options()
     for text, want in (("1", True), ("yes", True), ("off", False), ("0", False)):
         assert options._from_env({"JAX_BLINK_COMMAND_BUFFERS": text}).command_buffers is want
+    assert options._from_env({"JAX_BLINK_COMMAND_BUFFERS": "Auto"}).command_buffers == "auto"
+    assert options.Options().command_buffers == "auto"  # the default
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "0"}).merge_bytes == 0
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "4M"}).merge_bytes == 4 << 20
 

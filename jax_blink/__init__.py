@@ -15,6 +15,7 @@ from jax_blink.api.collectives import (SUPPORTED_DTYPES, AllReduceHandle, all_ga
                                        all_reduce_done, all_reduce_start, backends, broadcast, check,
                                        check_environment, reduce, reduce_scatter, reset)
 from jax_blink.api.explain import explain
+from jax_blink.api.overlapped_grad import value_and_grad_overlapped
 from jax_blink.lowering.call_order import register as _register_call_order
 from jax_blink.options import config
 from jax_blink.planning.packing import Plan, plan
@@ -31,6 +32,7 @@ __all__ = [
     "AllReduceHandle", "Plan", "SUPPORTED_DTYPES", "Topology", "all_gather", "all_reduce", "all_reduce_done",
     "all_reduce_start", "backends", "broadcast",
     "check", "check_environment", "config", "explain", "plan", "reduce", "reduce_scatter", "reset",
+    "value_and_grad_overlapped",
     # the switch (jax_blink/switch/): lax collectives of unedited programs on jax_blink
     "explain_lowering", "install", "installed", "is_installed", "switch_report", "uninstall",
 ]

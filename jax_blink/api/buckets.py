@@ -9,12 +9,15 @@ The assignment is DDP's (``torch.distributed``'s ``compute_bucket_assignment_by_
 in reverse order (DDP walks ``model.parameters()`` backwards, the order gradients become ready),
 one open bucket per dtype, a leaf is never split, and a bucket is closed as soon as it holds at
 least its cap; the first bucket's cap is smaller (DDP: 1 MiB), so that the first all-reduce can
-start early.
+start early. Where the leaf order is not the order in which the backward pass makes the gradients
+(a tied embedding, used first and last, is summed only at the very end), :func:`gradient_order`
+reads that order off the traced gradient program and ``BucketLayout.of(..., order=...)`` follows
+it, as DDP rebuilds its buckets after the first iteration from the order it saw.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -75,16 +78,20 @@ class BucketLayout:
         buckets: The buckets, in the order their all-reduces run.
         bucket_bytes: The cap of every bucket but the first.
         first_bucket_bytes: The first bucket's cap.
+        reversed_leaves: Whether the leaves went in reverse order (DDP's default), rather than in
+            an order given (``order=``).
     """
 
     treedef: Any
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
     first_bucket_bytes: int
+    reversed_leaves: bool = True
 
     @classmethod
     def of(cls, tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-           first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES) -> "BucketLayout":
+           first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
+           order: Sequence[int] | None = None) -> "BucketLayout":
         """The layout of a pytree, bucketed as DDP buckets gradients.
 
         Args:
@@ -93,12 +100,15 @@ class BucketLayout:
             bucket_bytes: A bucket is closed once it holds at least this many bytes (default 25 MiB).
             first_bucket_bytes: The first bucket's cap (default 1 MiB); None gives every bucket
                 the same cap.
+            order: The leaf indices (in the tree's leaf order) in the order their gradients become
+                ready, e.g. from :func:`gradient_order`; default: the leaves reversed (DDP's).
 
         Returns:
             The layout.
 
         Raises:
-            ValueError: A cap is not a positive number of bytes.
+            ValueError: A cap is not a positive number of bytes, or ``order`` is not a permutation
+                of the leaf indices.
         """
         if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
@@ -108,9 +118,16 @@ class BucketLayout:
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if not with_paths:
             raise ValueError("BucketLayout.of: the tree has no leaves")
+        if order is None:
+            order = range(len(with_paths) - 1, -1, -1)
+        elif sorted(int(i) for i in order) != list(range(len(with_paths))):
+            raise ValueError(f"BucketLayout.of: order must list each of the tree's {len(with_paths)} leaf "
+                             f"indices once (e.g. gradient_order(...)), got {list(order)[:12]}...")
+        reversed_order = [int(i) for i in order] == list(range(len(with_paths) - 1, -1, -1))
         closed: list[Bucket] = []
         open_: dict[np.dtype, list[Slot]] = {}
-        for i in reversed(range(len(with_paths))):
+        for i in order:
+            i = int(i)
             path, leaf = with_paths[i]
             dtype = np.dtype(leaf.dtype)
             slots = open_.setdefault(dtype, [])
@@ -122,7 +139,7 @@ class BucketLayout:
                 closed.append(Bucket(dtype, tuple(slots)))
                 del open_[dtype]
         closed += [Bucket(d, tuple(s)) for d, s in open_.items()]
-        return cls(treedef, tuple(closed), int(bucket_bytes), int(first))
+        return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order)
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +186,8 @@ class BucketLayout:
         """One line per bucket: its size, dtype, leaf count and first and last leaves."""
         lines = [f"{len(self.buckets)} bucket(s), {_fmt_bytes(self.nbytes)} in all, {self.treedef.num_leaves} "
                  f"leaves (cap {_fmt_bytes(self.bucket_bytes)}, first bucket {_fmt_bytes(self.first_bucket_bytes)}; "
-                 "leaves in reverse order, as DDP)"]
+                 + ("leaves in reverse order, as DDP)" if self.reversed_leaves else
+                    "leaves in the order their gradients become ready)")]
         for i, b in enumerate(self.buckets):
             first, last = b.slots[0].path, b.slots[-1].path
             span = first if len(b.slots) == 1 else f"{first} .. {last}"
@@ -253,18 +271,73 @@ def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
 
 def _overlapped_all_reduce(tree, axis_name, layout: BucketLayout, **kwargs):
     """:func:`bucketed_all_reduce` with ``overlap=True``: start every bucket (in bucket order: the
-    last layers' gradients, which the backward pass makes first, come first), then the dones,
-    done k after start k + 1 (its token), so that XLA cannot wait for bucket k before it started
-    bucket k + 1."""
+    gradients the backward pass makes first come first), then every done after the last start (its
+    token), as DDP waits for all its buckets at the end of the backward pass. XLA places a done as
+    early as its operands allow (it frees the operand's buffer): with done k after start k + 1
+    only, the compute stream waited for bucket k at once (2 x H200, benchmarks/overlap_schedule.py)."""
     from jax_blink.api.overlap import all_reduce_done, all_reduce_start
     handles = []
-    for buf in layout.pack(tree):
+    bufs = layout.pack(tree)
+    for k, buf in enumerate(bufs):
         if handles and _on_cpu(buf):  # CPU: the synchronous starts wait for each other (see bucketed)
             buf = _wait_for(buf, handles[-1].result)
-        handles.append(all_reduce_start(buf, axis_name, **kwargs))
-    outs = [all_reduce_done(h, after=handles[k + 1] if k + 1 < len(handles) else None)
-            for k, h in enumerate(handles)]
+        # The last bucket has nothing left to overlap: the whole grid.
+        handles.append(all_reduce_start(buf, axis_name, full_grid=k == len(bufs) - 1, **kwargs))
+    last = handles[-1]
+    outs = [all_reduce_done(h, after=last if h is not last else None) for h in handles]
     return layout.unpack(outs)
+
+
+def gradient_order(grad_fn: Callable, *args, **kwargs) -> list[int]:
+    """The leaves of ``grad_fn(*args, **kwargs)``'s result, in the order its traced program makes
+    them: the order for :meth:`BucketLayout.of`'s ``order`` (DDP rebuilds its buckets from the
+    order it saw gradients become ready; this reads it off the program instead).
+
+    A leaf's place is that of the last equation that computes it, looking inside nested programs
+    (``jit``, ``custom_vjp``, ``remat``); leaves that the program only passes through come first,
+    and ties go to the later leaf first (DDP's reverse order).
+
+    Args:
+        grad_fn: A function returning a pytree of arrays, e.g. ``jax.grad(loss)``.
+        *args: Its arguments: arrays or ``jax.ShapeDtypeStruct`` (it is traced, not run).
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        The indices of the result's leaves (in ``jax.tree.leaves`` order), first made first.
+    """
+    closed = jax.make_jaxpr(grad_fn)(*args, **kwargs)
+    places = _made_at(closed.jaxpr)
+    return sorted(range(len(places)), key=lambda i: (places[i], -i))
+
+
+def _made_at(jaxpr) -> list[tuple[int, ...]]:
+    """For each output of ``jaxpr``: the index path of the equation that computes it ((-1,): an
+    input or a constant)."""
+    where: dict[Any, tuple[int, ...]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        inner = _inner(eqn)
+        inside = _made_at(inner) if inner is not None and len(inner.outvars) == len(eqn.outvars) else None
+        for j, v in enumerate(eqn.outvars):
+            where[v] = (k,) + (inside[j] if inside is not None else ())
+    places = []
+    for v in jaxpr.outvars:
+        try:
+            places.append(where.get(v, (-1,)))
+        except TypeError:  # an unhashable literal
+            places.append((-1,))
+    return places
+
+
+def _inner(eqn):
+    """The program an equation calls (``jit``, ``custom_vjp``, ``remat``, ...), or None."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(name)
+        if sub is None:
+            continue
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+        if hasattr(sub, "eqns") and hasattr(sub, "outvars"):
+            return sub
+    return None
 
 
 def _on_cpu(buf) -> bool:

@@ -58,7 +58,7 @@ class AllReduceHandle:
 
 
 def all_reduce_start(x, axis_name: AxisName, *, op: str = "sum", topology: Topology | None = None,
-                     method: str = "exact") -> AllReduceHandle:
+                     method: str = "exact", full_grid: bool = False) -> AllReduceHandle:
     """Start the all-reduce of ``x`` over a mesh axis; :func:`all_reduce_done` gives its result.
 
     Args:
@@ -67,6 +67,9 @@ def all_reduce_start(x, axis_name: AxisName, *, op: str = "sum", topology: Topol
         op: ``"sum"``, ``"max"`` or ``"min"``.
         topology: The links to plan on (default: discovered).
         method: The tree-packing solver (``"exact"`` or ``"mwu"``).
+        full_grid: Run on every SM the executor uses, not the small asynchronous grid
+            (``JAX_BLINK_ASYNC_BLOCKS``, default 24 blocks) that leaves most SMs to compute: for
+            the last all-reduce of a step, which nothing is left to overlap.
 
     Returns:
         The handle of the call in flight.
@@ -96,7 +99,8 @@ def all_reduce_start(x, axis_name: AxisName, *, op: str = "sum", topology: Topol
             or not executor_ready(platform, "all_reduce", n) or use_lax("allreduce", n, x, axes)):
         return AllReduceHandle(flat, reference(flat), None, shape)
     passed, result, site = _async.start_call(flat, axes, op=op, topology=topology, method=method,
-                                             result_type=lax_type(reference, flat), platform=platform)
+                                             result_type=lax_type(reference, flat), platform=platform,
+                                             full_grid=full_grid)
     return AllReduceHandle(passed, result, site, shape)
 
 

@@ -68,7 +68,7 @@ def runs_async(platform: str) -> bool:
 
 
 def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exact", result_type=None,
-               platform: str | None = None):
+               platform: str | None = None, full_grid: bool = False):
     """Start an all-reduce of the flat operand ``flat`` over ``axes``.
 
     Args:
@@ -79,6 +79,8 @@ def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exa
         method: The packing method.
         result_type: The type of the ``lax`` expression it equals (``lax_type``).
         platform: The platform being lowered for (default: the current one).
+        full_grid: Run on the executor's whole grid (a communicator of its own), not the small
+            asynchronous one: for the last bucket of a step, when nothing is left to overlap.
 
     Returns:
         ``(passed, result, site)``: the operand handed back, the result (in flight until the done),
@@ -105,7 +107,7 @@ def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exa
                             input_output_aliases={0: 0})
     passed, result = call(flat, axis_index(axes).astype(np.int32), group_index(axes),
                           program=program, op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
-                          timeout_ms=np.int64(round(config.timeout_s * 1000)))
+                          timeout_ms=np.int64(round(config.timeout_s * 1000)), full_grid=np.int32(full_grid))
     return passed, result, Site(comm_id, platform)
 
 

@@ -283,3 +283,34 @@ def compute_on_call():
     if fn is None or "out_memory_spaces" not in inspect.signature(fn).parameters:
         return None  # compute_on(compute_type) alone is the context manager: not this form
     return fn
+
+
+def bind_equation(eqn, invals: list) -> list:
+    """Run one jaxpr equation on values (jax._src.core.eval_jaxpr's loop body, in its source
+    context; ``Primitive.get_bind_params`` returns the parameters, or in older jax
+    ``(subfuns, params)``): the list of its results."""
+    from jax._src import source_info_util
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = ([], got) if isinstance(got, dict) else got
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with source_info_util.user_context(eqn.source_info.traceback), (ctx if ctx is not None else _nullcontext()):
+        ans = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def literal_value(atom):
+    """The value of a jaxpr literal, or None for a variable."""
+    return None if isinstance(atom, _core.Var) else atom.val
+
+
+def inlined_call_jaxpr(eqn):
+    """The closed jaxpr of a nested ``jax.jit`` or ``closed_call`` equation (whose inlining
+    changes nothing but the schedule's freedom), or None for any other equation."""
+    if eqn.primitive is JIT_PRIMITIVE:
+        return eqn.params["jaxpr"]
+    if eqn.primitive is CALL_PRIMITIVE:
+        return eqn.params["call_jaxpr"]
+    return None
+
+
+from contextlib import nullcontext as _nullcontext  # noqa: E402

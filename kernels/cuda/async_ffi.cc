@@ -22,6 +22,9 @@
 // one-shot inbox and call counters) with a small grid (JAX_BLINK_ASYNC_BLOCKS, default
 // kDefaultAsyncBlocks), so that most SMs stay free for compute. Every wait of the kernel keeps the
 // call's time budget; a kernel that gives up still completes, and so does the done event.
+// A start with full_grid set (the last bucket of a step: nothing is left to overlap) runs on a
+// third communicator (lane 2) with the executor's whole grid; it is serialised behind the small
+// ones on the same side stream, so no two spinning grids of this device run at once.
 //
 // Neither handler claims the command-buffer trait: XLA then never captures them into a CUDA graph
 // (the host work here must run at every call: the event record, the FIFO).
@@ -131,7 +134,7 @@ std::string TakeEventLocked(int device, DeviceLane& lane, cudaEvent_t* ev) {
 // rank and group synchronously on XLA's stream, then meets the peers on the host: JoinSite).
 std::string SiteOf(cudaStream_t stream, int32_t device, int64_t comm_id, ffi::Buffer<ffi::S32> rank_buf,
                    ffi::Buffer<ffi::S32> group_buf, ffi::Span<const int32_t> program, int esize,
-                   int64_t timeout_ms, jbc::Site** site) {
+                   int64_t timeout_ms, bool full_grid, jbc::Site** site) {
   *site = jbc::FindSite(comm_id, device);
   if (*site != nullptr) return {};
   if (rank_buf.element_count() != 1 || group_buf.element_count() != 1) return "rank and group must be int32 scalars";
@@ -146,6 +149,10 @@ std::string SiteOf(cudaStream_t stream, int32_t device, int64_t comm_id, ffi::Bu
   jbc::Options opt;
   if (std::string err = AsyncBlocks(&opt.blocks); !err.empty()) return err;
   opt.lane = 1;
+  if (full_grid) {  // the last bucket: nothing left to overlap, so the executor's whole grid
+    opt.blocks = 0;
+    opt.lane = 2;
+  }
   opt.host_share = 0.0;  // no host channel: its 16 extra blocks would take most of a small grid
   return jbc::JoinSite(comm_id, host[1], host[0], device, program.begin(), static_cast<int64_t>(program.size()),
                        esize, timeout_ms, opt, site);
@@ -157,7 +164,8 @@ ffi::Error Fail(ffi::ErrorCode code, int32_t device, int64_t comm_id, const std:
 
 ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                  ffi::Buffer<ffi::S32> group_buf, ffi::Result<ffi::AnyBuffer> passed, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms) {
+                 ffi::Span<const int32_t> program, int32_t op, int64_t comm_id, int64_t timeout_ms,
+                 int32_t full_grid) {
   jbc::DType dtype;
   const ffi::DataType dt = x.element_type();
   if (!jbc::ToDType(dt, &dtype))
@@ -171,7 +179,8 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
   if (std::string failed = jbc::DeviceError(device); !failed.empty()) return ffi::Error(ffi::ErrorCode::kAborted, failed);
   const int esize = static_cast<int>(ffi::ByteWidth(dt));
   jbc::Site* site = nullptr;
-  if (std::string err = SiteOf(stream, device, comm_id, rank_buf, group_buf, program, esize, timeout_ms, &site);
+  if (std::string err = SiteOf(stream, device, comm_id, rank_buf, group_buf, program, esize, timeout_ms,
+                               full_grid != 0, &site);
       !err.empty())
     return Fail(ffi::ErrorCode::kInternal, device, comm_id, err);
   if (!jbc::SiteProgramMatches(site, program.begin(), static_cast<int64_t>(program.size())) ||
@@ -259,7 +268,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkStartCuda, Start,
                                   .Attr<ffi::Span<const int32_t>>("program")
                                   .Attr<int32_t>("op")
                                   .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<int32_t>("full_grid"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxBlinkDoneCuda, Done,
                               ffi::Ffi::Bind()

@@ -56,7 +56,8 @@ struct Options {
   // (sm|ce), else kDefaultHostEngine.
   int host_engine = -1;
   // Which stream class the communicator serves (kernels/cuda/async_ffi.cc): 0 the call's own
-  // stream (XLA's compute stream), 1 the per-device side stream of the asynchronous form. Part of
+  // stream (XLA's compute stream), 1 the per-device side stream of the asynchronous form (small
+  // grid), 2 that side stream with the whole grid (a step's last bucket). Part of
   // the communicator's key with the devices and the grid: an asynchronous site never shares a
   // communicator (its one-shot inbox, its call counters) with calls that run on another stream in
   // another order.

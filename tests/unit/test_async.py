@@ -129,7 +129,8 @@ def test_start_done_bad_input():
 def test_gpu_lowering_has_aliases_and_token(monkeypatch):
     """The GPU form, lowered here as text (no GPU needed): each start returns the operand aliased
     (output 0 <- operand 0) and the result; each done takes (passed, result, token) with the result
-    aliased (output 0 <- operand 1); done k's token is start k+1's passed operand."""
+    aliased (output 0 <- operand 1); every done's token is the last start's passed operand (DDP
+    waits for its buckets at the end of the backward pass)."""
     monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
     rng = np.random.default_rng(2)
     tree = {"w": _sharded(rng.standard_normal((N, 1000)).astype(np.float32)),
@@ -150,5 +151,107 @@ def test_gpu_lowering_has_aliases_and_token(monkeypatch):
     names = [s[0] for s in starts]
     for k, (passed, result, token) in enumerate(dones):
         assert passed == f"{names[k]}#0" and result == f"{names[k]}#1"
-        expected = f"{names[k + 1]}#0" if k + 1 < len(names) else passed
+        expected = f"{names[-1]}#0" if k + 1 < len(names) else passed  # every done after the last start
         assert token == expected, (k, token, expected)
+    # Only the last bucket takes the executor's whole grid (nothing is left to overlap).
+    assert text.count("full_grid = 1 : i32") == 1 and text.count("full_grid = 0 : i32") == 2, text
+
+
+def test_gradient_order_follows_the_backward_pass():
+    """A tied embedding first in leaf order reversed (its gradient is summed at the very end of the
+    backward pass) goes last under gradient_order; an untied chain keeps DDP's reversed order; a
+    bad order is refused with the fix named."""
+    from jax_blink.api.buckets import gradient_order
+
+    def loss(p, x):
+        h = p["wte"][x]
+        for w in p["blocks"]:
+            h = jnp.tanh(h @ w)
+        return jnp.sum(h @ p["wte"].T)
+
+    rng = np.random.default_rng(5)
+    p = {"blocks": [jnp.asarray(rng.standard_normal((4, 4)), jnp.float32) for _ in range(3)],
+         "wte": jnp.asarray(rng.standard_normal((10, 4)), jnp.float32)}
+    x = jax.ShapeDtypeStruct((2,), jnp.int32)
+    order = gradient_order(jax.grad(loss), p, x)
+    assert order == [2, 1, 0, 3]  # blocks[2], [1], [0], then wte
+    assert gradient_order(jax.jit(jax.grad(loss)), p, x) == order  # inside a nested jit too
+    layout = BucketLayout.of(p, 64, 64, order=order)
+    assert [b.slots[0].path for b in layout.buckets] == ["['blocks'][2]", "['blocks'][1]", "['blocks'][0]", "['wte']"]
+    assert "the order their gradients become ready" in layout.describe()
+    assert "reverse order" in BucketLayout.of(p, 64, 64).describe()
+    with pytest.raises(ValueError, match="each of the tree's 4 leaf indices once"):
+        BucketLayout.of(p, 64, 64, order=[0, 1, 2])
+
+
+def _mlp_loss(params, x):
+    h = params["embed"][x]
+    for w in params["blocks"]:
+        h = jnp.tanh(h @ w)
+    return jnp.mean((h @ params["embed"].T) ** 2), jnp.mean(h, axis=0)
+
+
+def _mlp_params(seed):
+    rng = np.random.default_rng(seed)
+    return {"blocks": [jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32) for _ in range(4)],
+            "embed": jnp.asarray(rng.standard_normal((50, 16)), jnp.float32)}
+
+
+def _overlapped_step(params, xs, which, **kw):
+    mesh = _mesh()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    def f(params, xs):
+        mine = params
+        if which == "psum":
+            (loss, aux), g = jax.value_and_grad(_mlp_loss, has_aux=True)(mine, xs[0])
+            return lax.psum(loss, "data"), lax.psum(aux, "data"), jax.tree.map(lambda v: lax.psum(v, "data"), g)
+        (loss, aux), g = jax_blink.value_and_grad_overlapped(_mlp_loss, "data", has_aux=True, reduce_aux=True,
+                                                             **kw)(mine, xs[0])
+        return lax.psum(loss, "data"), aux, g
+
+    return f(params, xs)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1000, 1 << 20])
+def test_value_and_grad_overlapped_equals_psum(bucket_bytes):
+    """The overlapped gradients (several buckets, a tied embedding, a nested jit inlined, aux
+    summed) equal value_and_grad + psum on fresh random data; the loss is each device's own."""
+    params = _mlp_params(7)
+    xs = _sharded(np.random.default_rng(8).integers(0, 50, (N, 6)).astype(np.int32))
+    with override(dispatch="blink"):
+        got = _overlapped_step(params, xs, "blink", bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
+    want = _overlapped_step(params, xs, "psum")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
+
+
+def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
+    """On the GPU form (lowered as text here), each bucket's start comes before the backward pass
+    of the layers below it (an optimization_barrier holds the rest of the program after it), and
+    every done comes after the last start."""
+    monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
+    params = _mlp_params(9)
+    xs = _sharded(np.random.default_rng(3).integers(0, 50, (N, 6)).astype(np.int32))
+    mesh = _mesh()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    def f(params, xs):
+        fn = jax.jit(lambda p, x: _mlp_loss(p, x)[0])  # a nested jit: inlined, starts land inside
+        return jax_blink.value_and_grad_overlapped(fn, "data", bucket_bytes=1024, first_bucket_bytes=1024)(
+            params, xs[0])[1]
+
+    with override(dispatch="blink"):
+        text = f.lower(params, xs).as_text()
+    lines = text.split("\n")
+    starts = [i for i, l in enumerate(lines) if "@jax_blink_start(" in l]
+    dones = [i for i, l in enumerate(lines) if "@jax_blink_done(" in l]
+    barriers = [i for i, l in enumerate(lines) if "optimization_barrier" in l]
+    dots = [i for i, l in enumerate(lines) if "stablehlo.dot_general" in l]
+    assert len(starts) >= 4 and len(dones) == len(starts), text
+    assert max(starts) < min(dones)
+    # A barrier after every start but the last, and backward matrix products after the first start.
+    assert sum(1 for s in starts[:-1] if any(s < b < s + 40 for b in barriers)) == len(starts) - 1
+    assert any(starts[0] < d < starts[-1] for d in dots)

@@ -6,9 +6,9 @@ The collective that sums a bucket is the only thing that changes between the mod
 
 - ``psum``: ``lax.psum`` (XLA's all-reduce);
 - ``blink``: ``jax_blink.all_reduce``, written into the step;
-- ``overlap``: ``jax_blink.all_reduce_start`` / ``all_reduce_done`` per bucket
-  (``bucketed_all_reduce(overlap=True)``): started as each bucket's gradients exist, awaited at
-  the update, done k after start k + 1; on GPUs the all-reduces run on a side stream;
+- ``overlap``: ``jax_blink.value_and_grad_overlapped``: each bucket's all-reduce started inside
+  the backward pass right after its gradients exist (the rest of the pass held behind the start),
+  all awaited after the last start; on GPUs the all-reduces run on a side stream;
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_blink.lowering import jax_internals as _jax_internals
 from jax_blink.api import buckets as _buckets
 from jax_blink.api.collectives import all_reduce
+from jax_blink.api.overlapped_grad import value_and_grad_overlapped
 from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
@@ -129,13 +130,32 @@ class DataParallel:
                                   nnx.Param, nnx.BatchStat)[0]
         self.state0 = jax.jit(init, out_shardings=NamedSharding(mesh, P())).lower().compile(
             compiler_options={"xla_backend_optimization_level": 0})()
-        self.layout = _buckets.BucketLayout.of(
-            {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
-            first_bucket_bytes)
         sharded = NamedSharding(mesh, P(axis))
         self.batches = [jax.device_put(b, sharded)
                         for b in _data.batches(model, cfg, cfg.batch * self.n, data_batches, seed)]
+        # Buckets in the order the backward pass makes the gradients (GPT-2's tied embedding, first
+        # in leaf order reversed, is summed last), as DDP rebuilds its buckets after one iteration.
+        self.layout = _buckets.BucketLayout.of(
+            {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
+            first_bucket_bytes, order=self._gradient_order())
         self._compiled: dict[str, object] = {}
+
+    def _gradient_order(self) -> list[int]:
+        """The leaves of ``{"grads", "stats"}`` in the order one device's step computes them
+        (:func:`jax_blink.api.buckets.gradient_order`; the statistics come from the forward pass)."""
+        graphdef, loss_fn = self.graphdef, self.loss_fn
+
+        def grads_of(params, stats, batch):
+            def loss_of(p):
+                model = nnx.merge(graphdef, p, stats, copy=True)
+                return loss_fn(model, batch), nnx.state(model, nnx.BatchStat)
+
+            (_, new_stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return {"grads": grads, "stats": new_stats}
+
+        local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // self.n,) + a.shape[1:], a.dtype),
+                             self.batches[0])
+        return _buckets.gradient_order(grads_of, self.state0["params"], self.state0["stats"], local)
 
     @property
     def param_count(self) -> int:
@@ -163,12 +183,14 @@ class DataParallel:
                 loss = loss_fn(model, batch)
                 return loss, nnx.state(model, nnx.BatchStat)
 
-            (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
-            # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
-            if mode == "overlap":
-                summed = _buckets.bucketed_all_reduce({"grads": grads, "stats": stats}, axis, layout=layout,
-                                                      overlap=True)
+            if mode == "overlap":  # each bucket started inside the backward pass (DDP's overlap)
+                (loss, stats), grads = value_and_grad_overlapped(
+                    loss_of, axis, has_aux=True, reduce_aux=True, bucket_bytes=layout.bucket_bytes,
+                    first_bucket_bytes=layout.first_bucket_bytes)(mine)
+                summed = {"grads": grads, "stats": stats}
             else:
+                (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
+                # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
                 summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
                                            ordered=mode == "blink")
             grads, stats = jax.tree.map(lambda v: v / n, (summed["grads"], summed["stats"]))

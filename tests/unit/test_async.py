@@ -255,3 +255,34 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
     # A barrier after every start but the last, and backward matrix products after the first start.
     assert sum(1 for s in starts[:-1] if any(s < b < s + 40 for b in barriers)) == len(starts) - 1
     assert any(starts[0] < d < starts[-1] for d in dots)
+
+
+def test_value_and_grad_overlapped_equals_psum_bitwise_on_exact_sums():
+    """Gradients whose sums are exact in any order (small integers in float32): the overlapped
+    form gives psum's bits, in several buckets."""
+    rng = np.random.default_rng(11)
+    params = {"w": jnp.asarray(rng.integers(-3, 4, (12, 5)), jnp.float32),
+              "v": jnp.asarray(rng.integers(-3, 4, (7,)), jnp.float32)}
+    xs = _sharded(rng.integers(-4, 5, (N, 3, 12)).astype(np.float32))
+
+    def loss(p, x):
+        return jnp.sum(x @ p["w"]) + jnp.sum(x[0, :7] * p["v"])
+
+    mesh = _mesh()
+
+    def run(which):
+        @jax.jit
+        @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+        def f(p, x):
+            if which == "psum":
+                return jax.tree.map(lambda g: lax.psum(g, "data"), jax.grad(loss)(p, x[0]))
+            return jax_blink.value_and_grad_overlapped(loss, "data", bucket_bytes=16, first_bucket_bytes=16)(
+                p, x[0])[1]
+        return f(params, xs), f.lower(params, xs).as_text()
+
+    with override(dispatch="blink"):
+        got, text = run("blink")
+    assert text.count("@jax_blink_collective") >= 2  # the executor, in several buckets (not lax)
+    want, _ = run("psum")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(g), np.asarray(w))

@@ -18,10 +18,14 @@
 # benchmarks/gpu_soak.py for SOAK_S seconds (default 15); faults4 runs benchmarks/gpu_faults.py
 # (a skipping rank in one process; 4 processes: one that never calls, frees its memory early,
 # never reaches a set-up, is killed mid-call, brings another shape).
+# Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
+# taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 5 minutes);
+# decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes); schedule
+# prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
@@ -150,6 +154,28 @@ PY
       CHILD_PIDS_FILE="$OUT/.faults.pids" timeout -k 5 85 python3 benchmarks/gpu_faults.py --processes 4 \
         --timeout-s 2 --job-timeout-s 50 --total-timeout-s 75 --out "$OUT/faults.json" > "$OUT/faults.log" 2>&1
       echo "faults4 rc=$?" | tee -a "$OUT/session.log"; reap "$OUT/.faults.pids"; tail -25 "$OUT/faults.log" ;;
+    train)  # issue 28: the overlapped step against psum, with one profiled step per mode
+      log train
+      mkdir -p "$OUT/train"
+      for model in "gpt2 full" "resnet medium"; do
+        set -- $model
+        timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective overlap \
+          --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" > "$OUT/train-$1.log" 2>&1
+        echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -9
+        for m in blink overlap; do
+          t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
+          [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
+        done
+      done ;;
+    decode)  # issue 29: decode steps of the Llama-shaped model, tp = DECODE_TP
+      log decode
+      timeout -k 5 300 python3 -m jax_blink.tools.decode --size 8b --layers 8 --tp "${DECODE_TP:-2,4}" \
+        --batch 1,4,16,64 --rounds 6 -o "$OUT/decode" > "$OUT/decode.log" 2>&1
+      echo "decode rc=$?" | tee -a "$OUT/session.log"; grep -E "^tp=|psum |blink |switch |none " "$OUT/decode.log" ;;
+    schedule)  # issue 28: where XLA placed the overlapped starts and dones
+      log schedule
+      timeout -k 5 100 python3 benchmarks/overlap_schedule.py --layers 6 --width 2048 --runs 10 \
+        > "$OUT/schedule.log" 2>&1; echo "schedule rc=$?"; tail -16 "$OUT/schedule.log" ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -17,13 +17,14 @@ it, as DDP rebuilds its buckets after the first iteration from the order it saw.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_blink.lowering import jaxpr_steps
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 
@@ -67,6 +68,12 @@ class Bucket:
     def nbytes(self) -> int:
         """Bytes in the bucket."""
         return self.size * self.dtype.itemsize
+
+    def pack(self, leaves: Sequence | Mapping[int, Any]) -> jax.Array:
+        """This bucket's flat buffer from ``leaves``, indexed by leaf index (the tree's leaf order;
+        a mapping needs only this bucket's leaves)."""
+        flat = [jnp.ravel(leaves[s.leaf]) for s in self.slots]
+        return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +160,7 @@ class BucketLayout:
             ValueError: The tree's structure, a leaf's shape or its dtype differs from the layout's.
         """
         leaves = self._leaves(tree)
-        return [jnp.concatenate([jnp.ravel(leaves[s.leaf]) for s in b.slots]) if len(b.slots) > 1
-                else jnp.ravel(leaves[b.slots[0].leaf]) for b in self.buckets]
+        return [b.pack(leaves) for b in self.buckets]
 
     def unpack(self, buffers) -> Any:
         """The inverse of :meth:`pack`: the tree back from one flat array per bucket.
@@ -271,21 +277,13 @@ def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
 
 def _overlapped_all_reduce(tree, axis_name, layout: BucketLayout, **kwargs):
     """:func:`bucketed_all_reduce` with ``overlap=True``: start every bucket (in bucket order: the
-    gradients the backward pass makes first come first), then every done after the last start (its
-    token), as DDP waits for all its buckets at the end of the backward pass. XLA places a done as
-    early as its operands allow (it frees the operand's buffer): with done k after start k + 1
-    only, the compute stream waited for bucket k at once (2 x H200, benchmarks/overlap_schedule.py)."""
-    from jax_blink.api.overlap import all_reduce_done, all_reduce_start
-    handles = []
+    gradients the backward pass makes first come first; the last on the whole grid, nothing is left
+    to overlap), then every done after the last start."""
+    started: list = []
     bufs = layout.pack(tree)
     for k, buf in enumerate(bufs):
-        if handles and _on_cpu(buf):  # CPU: the synchronous starts wait for each other (see bucketed)
-            buf = _wait_for(buf, handles[-1].result)
-        # The last bucket has nothing left to overlap: the whole grid.
-        handles.append(all_reduce_start(buf, axis_name, full_grid=k == len(bufs) - 1, **kwargs))
-    last = handles[-1]
-    outs = [all_reduce_done(h, after=last if h is not last else None) for h in handles]
-    return layout.unpack(outs)
+        start_in_order(buf, started, axis_name, full_grid=k == len(bufs) - 1, **kwargs)
+    return layout.unpack(done_after_last(started, started[-1]))
 
 
 def gradient_order(grad_fn: Callable, *args, **kwargs) -> list[int]:
@@ -293,9 +291,11 @@ def gradient_order(grad_fn: Callable, *args, **kwargs) -> list[int]:
     them: the order for :meth:`BucketLayout.of`'s ``order`` (DDP rebuilds its buckets from the
     order it saw gradients become ready; this reads it off the program instead).
 
-    A leaf's place is that of the last equation that computes it, looking inside nested programs
-    (``jit``, ``custom_vjp``, ``remat``); leaves that the program only passes through come first,
-    and ties go to the later leaf first (DDP's reverse order).
+    A leaf's place is the equation that computes it, nested ``jax.jit`` calls inlined
+    (:mod:`jax_blink.lowering.jaxpr_steps`: the places where :func:`jax_blink.value_and_grad_overlapped`
+    can start a bucket); leaves that the program only passes through come first, and ties (several
+    leaves of one equation, e.g. of a ``remat`` or a loop) go to the later leaf first (DDP's
+    reverse order).
 
     Args:
         grad_fn: A function returning a pytree of arrays, e.g. ``jax.grad(loss)``.
@@ -305,39 +305,33 @@ def gradient_order(grad_fn: Callable, *args, **kwargs) -> list[int]:
     Returns:
         The indices of the result's leaves (in ``jax.tree.leaves`` order), first made first.
     """
-    closed = jax.make_jaxpr(grad_fn)(*args, **kwargs)
-    places = _made_at(closed.jaxpr)
-    return sorted(range(len(places)), key=lambda i: (places[i], -i))
+    program = jaxpr_steps.flatten(jax.make_jaxpr(grad_fn)(*args, **kwargs))
+    return ready_order(program, program.out_keys)
 
 
-def _made_at(jaxpr) -> list[tuple[int, ...]]:
-    """For each output of ``jaxpr``: the index path of the equation that computes it ((-1,): an
-    input or a constant)."""
-    where: dict[Any, tuple[int, ...]] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        inner = _inner(eqn)
-        inside = _made_at(inner) if inner is not None and len(inner.outvars) == len(eqn.outvars) else None
-        for j, v in enumerate(eqn.outvars):
-            where[v] = (k,) + (inside[j] if inside is not None else ())
-    places = []
-    for v in jaxpr.outvars:
-        try:
-            places.append(where.get(v, (-1,)))
-        except TypeError:  # an unhashable literal
-            places.append((-1,))
-    return places
+def ready_order(program: jaxpr_steps.FlatProgram, keys: Sequence) -> list[int]:
+    """The indices of ``keys`` (values of ``program``) by the step that makes each, ties later first."""
+    return sorted(range(len(keys)), key=lambda i: (program.made(keys[i]), -i))
 
 
-def _inner(eqn):
-    """The program an equation calls (``jit``, ``custom_vjp``, ``remat``, ...), or None."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(name)
-        if sub is None:
-            continue
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
-        if hasattr(sub, "eqns") and hasattr(sub, "outvars"):
-            return sub
-    return None
+def start_in_order(buf, started: list, axis_name, *, full_grid: bool, **kwargs):
+    """:func:`jax_blink.all_reduce_start` of one bucket, appended to ``started``. On CPU host devices
+    (synchronous starts) its operand first waits for the previous start's result, so that every
+    device runs the calls in one order (see :func:`bucketed`)."""
+    from jax_blink.api.overlap import all_reduce_start
+    if started and _on_cpu(buf):
+        buf = _wait_for(buf, started[-1].result)
+    started.append(all_reduce_start(buf, axis_name, full_grid=full_grid, **kwargs))
+    return started[-1]
+
+
+def done_after_last(handles: Sequence, last) -> list:
+    """Every handle's :func:`jax_blink.all_reduce_done`, each after ``last``'s start (DDP waits for
+    its buckets at the end of the backward pass): XLA places a done as early as its operands allow
+    (it frees a buffer), so with done k after start k + 1 only, the compute stream waited for
+    bucket k at once (2 x H200, benchmarks/overlap_schedule.py)."""
+    from jax_blink.api.overlap import all_reduce_done
+    return [all_reduce_done(h, after=last if h is not last else None) for h in handles]
 
 
 def _on_cpu(buf) -> bool:

@@ -75,11 +75,14 @@ def all_reduce_start(x, axis_name: AxisName, *, op: str = "sum", topology: Topol
         The handle of the call in flight.
 
     Raises:
-        TypeError: ``x``'s dtype is not one the executors take (cast it first).
+        TypeError: ``x``'s dtype is not one the executors take (cast it first), or ``full_grid``
+            is not a bool.
         ValueError: ``op`` is not one of the three.
     """
     if op not in _schedule.OPS:
         raise ValueError(f"jax_blink: op {op!r} is not supported; supported: {sorted(_schedule.OPS)}")
+    if not isinstance(full_grid, (bool, np.bool_)):
+        raise TypeError(f"jax_blink.all_reduce_start: full_grid must be True or False, got {full_grid!r}")
     dtype = np.dtype(x.dtype)
     if dtype.name not in SUPPORTED_DTYPES:
         raise TypeError(f"jax_blink.all_reduce_start: dtype {dtype.name} is not supported; supported: "

@@ -267,8 +267,7 @@ def captured_handler(platform: str, collective: str, n: int, nbytes: int) -> boo
     and never the host channel's sizes."""
     cb = config.command_buffers
     if cb == "auto":
-        return (platform == "gpu" and collective == "allreduce" and n <= _forms.LL_MAX_RANKS
-                and nbytes <= _forms.LL_MAX_BYTES)
+        return platform == "gpu" and collective == "allreduce" and _forms.runs_ll(n, nbytes)
     return bool(cb)
 
 

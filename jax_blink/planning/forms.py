@@ -54,7 +54,7 @@ from jax_blink.planning.packing import max_weights, plan as _plan
 from jax_blink.planning.topology import Topology
 
 __all__ = ["FORMS", "AUTO", "Form", "Choice", "choose", "forms_at", "segments", "size_class",
-           "LL_MAX_BYTES", "LL_MAX_RANKS", "ONESHOT_MAX_BYTES", "clear_cache"]
+           "LL_MAX_BYTES", "LL_MAX_RANKS", "ONESHOT_MAX_BYTES", "clear_cache", "runs_ll"]
 
 #: The all-reduce forms, in the order ties are broken (the first of equal times wins).
 #: ``config.allreduce_form`` value: let the planner choose.
@@ -411,6 +411,12 @@ def _shallow(topology: Topology, method: str, cls: int) -> tuple[Piece, ...]:
     return best_p
 
 
+def runs_ll(n: int, nbytes: float) -> bool:
+    """Whether the CUDA executor runs an all-reduce of ``nbytes`` per rank on ``n`` GPUs (of one
+    process, every pair linked) as its LL kernel, with the default limits."""
+    return n <= LL_MAX_RANKS and nbytes <= LL_MAX_BYTES
+
+
 def _one_hop(topology: Topology, nbytes: float) -> tuple[float, str] | None:
     """(us, kernel) of the CUDA executor's one-hop all-reduce, where it runs: a GPU topology
     (no ``host`` links) with every pair linked directly, within the kernels' limits."""
@@ -428,7 +434,7 @@ def _one_hop(topology: Topology, nbytes: float) -> tuple[float, str] | None:
                 caps.append(s[u][v]["capacity"])
                 alphas.append(max(MODEL["alpha_us"][k] for k in s[u][v]["kinds"]))
     bpu = MODEL["bytes_per_us_per_gbps"]
-    if n <= LL_MAX_RANKS and nbytes <= LL_MAX_BYTES:
+    if runs_ll(n, nbytes):
         return max(alphas) + 2 * nbytes / (min(caps) * bpu), "LL"
     if n == 2 and nbytes <= ONESHOT_MAX_BYTES:
         return max(alphas) + nbytes / (min(caps) * bpu), "one-shot"

@@ -121,6 +121,9 @@ def test_start_done_bad_input():
     with pytest.raises(ValueError, match="op 'prod' is not supported"):
         jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce_start(v, "data", op="prod").result,
                               mesh=mesh, in_specs=P("data"), out_specs=P("data")))(_sharded(np.ones(N, np.float32)))
+    with pytest.raises(TypeError, match="full_grid must be True or False, got 'yes'"):
+        jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce_start(v, "data", full_grid="yes").result,
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data")))(_sharded(np.ones(N, np.float32)))
     with pytest.raises(TypeError, match="uint8 is not supported"):
         jax.jit(jax.shard_map(lambda v: jax_blink.all_reduce_start(v, "data").result,
                               mesh=mesh, in_specs=P("data"), out_specs=P("data")))(_sharded(np.ones(N, np.uint8)))

@@ -104,6 +104,34 @@ class Case:
         return lax.psum_scatter(v, AXIS, tiled=self.tiled)
 
 
+    def host(self, x: np.ndarray, n: int) -> np.ndarray:
+        """The expected result of :meth:`lax` for the stacked operand ``x`` (as
+        :func:`random_operand` makes it), computed with numpy (sums in float64 or int64), laid out
+        as the programs' results are (every rank's result stacked on axis 0). A reference that
+        needs no collective, so no NCCL set-up: what a run under compute-sanitizer wants."""
+        shape = self.shape(n)
+        parts = x.reshape((n,) + shape)
+        wide = parts.astype(np.int64 if np.issubdtype(parts.dtype, np.integer) else np.float64)
+        if self.what == "all_reduce":
+            r = {"sum": np.sum, "max": np.max, "min": np.min}[self.op](wide, axis=0)
+            out = np.stack([r] * n)
+        elif self.what == "broadcast":
+            out = np.stack([wide[self.root]] * n)
+        elif self.what == "reduce":
+            out = wide.copy()
+            out[self.root] = wide.sum(axis=0)
+        elif self.what == "all_gather":
+            each = wide.reshape((n * shape[0],) + shape[1:]) if self.tiled else wide
+            out = np.stack([each] * n)
+        else:  # reduce_scatter: rank r keeps block r of the sum (tiled: of dimension 0; blocks: row r)
+            out = wide.sum(axis=0)
+        out = out.reshape((-1,) + out.shape[2:]) if out.ndim > 1 and self.what != "reduce_scatter" else out
+        if self.what == "reduce_scatter" and not self.tiled:
+            out = out.reshape(-1)
+        dt = np.dtype(jnp.dtype(self.dtype))
+        return out.astype(dt) if np.issubdtype(dt, np.integer) else out.astype(np.float32).astype(dt)
+
+
 def human_bytes(n: int) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:

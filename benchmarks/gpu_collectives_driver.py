@@ -2,7 +2,8 @@
 short enough to run under compute-sanitizer (benchmarks/gpu_sanitizers.sh).
 
     python benchmarks/gpu_collectives_driver.py [--quick] [--ranks 2,3,4] [--sizes 4K,1M,16M,64M]
-        [--dtypes float32,bfloat16,int32] [--calls 2] [--timeout-s 30] [--out driver.json]
+        [--dtypes float32,bfloat16,int32] [--calls 2] [--timeout-s 30] [--reference lax|host]
+        [--out driver.json]
 
 For each rank count n (the first n devices) and each (dtype, size): one jitted program holding
 all five collectives (all_reduce sum, max and min at the smallest size; broadcast and reduce
@@ -89,10 +90,12 @@ def _sites_by_mode(mod) -> dict[str, int]:
     return total
 
 
-def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict | None = None) -> dict:
+def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict | None = None,
+                reference: str = "lax") -> dict:
     """Compile ours and lax's program for ``cases``, run ours ``calls`` times on fresh data, each
-    checked against lax on the same data. ``env``: variables set while the call sites are set
-    up (the first call), restored after."""
+    checked against lax on the same data (``reference="host"``: against numpy's result of the
+    same data, put on the devices; no collective of XLA's runs). ``env``: variables set while the
+    call sites are set up (the first call), restored after."""
     import jax
 
     import jax_blink
@@ -105,7 +108,8 @@ def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict |
     result_bytes = max(c.nbytes for c in cases) * len(cases)
     try:
         ours, ref = cc.programs(mesh, cases)
-        args = [cc.put(mesh, cc.random_operand(rng, c, n)) for c in cases]
+        hosts = [cc.random_operand(rng, c, n) for c in cases]
+        args = [cc.put(mesh, h) for h in hosts]
         compiled = ours.lower(*args).compile()
         # the executor's custom call must be in the optimized program (no quiet lax)
         row["custom_call_in_program"] = "jax_blink_collective" in compiled.as_text()
@@ -114,7 +118,8 @@ def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict |
         before = _sites_by_mode(gpu_mod)
         for k in range(calls):
             if k:
-                args = [cc.put(mesh, cc.random_operand(rng, c, n)) for c in cases]
+                hosts = [cc.random_operand(rng, c, n) for c in cases]
+                args = [cc.put(mesh, h) for h in hosts]
             if poison:
                 cc.poison_device_memory(list(mesh.devices.flat), result_bytes)
             saved = {}
@@ -135,7 +140,10 @@ def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict |
                 if gpu_mod is not None:
                     row["new_sites_by_mode"] = {m: after.get(m, 0) - before.get(m, 0) for m in after
                                             if after.get(m, 0) != before.get(m, 0)}
-            want = jax.block_until_ready(ref(*args))
+            if reference == "host":
+                want = [cc.put(mesh, c.host(h, n)) for c, h in zip(cases, hosts)]
+            else:
+                want = jax.block_until_ready(ref(*args))
             checks = cc.compare(mesh, cases, got, want)
             bad = [c for c in checks if not c["ok"]]
             row["runs"].append({"call": k + 1, "failures": bad})
@@ -164,6 +172,10 @@ def main(argv=None) -> int:
                     help="jax_blink.config.timeout_s (default: JAX_BLINK_TIMEOUT_S or 10; raise it under a sanitizer)")
     ap.add_argument("--no-poison", action="store_true", help="do not fill freed memory with 0xFF before each run")
     ap.add_argument("--no-host-channel", action="store_true", help="skip the 2-device host-channel program")
+    ap.add_argument("--reference", choices=("lax", "host"), default="lax",
+                    help="what each result is checked against: lax's collectives on the devices (default), "
+                         "or numpy's result on the host, put on the devices: no NCCL set-up, which under "
+                         "compute-sanitizer took 40 s and more")
     ap.add_argument("--seed", type=int, default=31)
     ap.add_argument("--out", metavar="JSON", help="write every result here")
     args = ap.parse_args(argv)
@@ -208,7 +220,7 @@ def main(argv=None) -> int:
             todo.append(([cc.Case("all_reduce", "float32", max(sizes))],
                          {"JAX_BLINK_HOST_MIN_BYTES": "1M", "JAX_BLINK_HOST_SHARE": "0.1"}))
         for cases, env in todo:
-            row = run_program(mesh, cases, rng, calls, not args.no_poison, gpu_mod, env)
+            row = run_program(mesh, cases, rng, calls, not args.no_poison, gpu_mod, env, args.reference)
             if env:
                 row["program"] += " (host channel)"
                 row["env"] = env
@@ -227,9 +239,10 @@ def main(argv=None) -> int:
     checks = sum(len(r["cases"]) * len(r["runs"]) for r in rows)
     summary = {"ok": not failed, "platform": platform, "device_kind": devices[0].device_kind,
                "jax": jax.__version__, "ranks": ranks, "programs": len(rows), "checks": checks,
-               "failed_programs": failed, "seconds": round(time.perf_counter() - t0, 1),
+               "failed_programs": failed, "reference": args.reference, "seconds": round(time.perf_counter() - t0, 1),
                "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    print(f"driver: {len(rows)} programs, {checks} collective calls checked against lax, "
+    print(f"driver: {len(rows)} programs, {checks} collective calls checked against "
+          f"{'numpy (host)' if args.reference == 'host' else 'lax'}, "
           f"{len(failed)} programs failed, {summary['seconds']} s ({platform}, {devices[0].device_kind})", flush=True)
     if args.out:
         with open(args.out, "w") as f:

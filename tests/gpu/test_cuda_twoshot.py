@@ -38,7 +38,7 @@ def _gpus():
 if len(_gpus()) < 3 or _blink_cuda is None:
     pytest.skip("needs 3 or more GPUs and jax_blink._blink_cuda", allow_module_level=True)
 
-_ids = itertools.count(2 * 10**9)  # far from other tests' comm ids
+_ids = itertools.count(3 * 10**9)  # a range of its own: test_cuda.py 10**9, test_cuda_lite.py 2 * 10**9
 _LAX = {0: lax.psum, 1: lax.pmax}
 
 

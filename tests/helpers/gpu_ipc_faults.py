@@ -114,6 +114,9 @@ def _run_children(argv_of, timeout_s: float) -> list[dict]:
     each gets its return code, output, RESULT dict and the time it exited."""
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for argv in argv_of]
+    import children  # tests/helpers, on the path since main()
+
+    children.note_children(procs)
     deadline = time.time() + timeout_s
     exited = [None] * len(procs)
     while any(t is None for t in exited) and time.time() < deadline:
@@ -123,8 +126,8 @@ def _run_children(argv_of, timeout_s: float) -> list[dict]:
         time.sleep(0.1)
     out = []
     for i, p in enumerate(procs):
-        if exited[i] is None:
-            p.kill()
+        if exited[i] is None:  # the child's whole group: it leads one (start_new_session)
+            os.killpg(p.pid, signal.SIGKILL)
         text, _ = p.communicate()
         lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         out.append({"rc": p.returncode, "exited": exited[i], "output": text[-3000:],
@@ -149,13 +152,13 @@ def main() -> int:
         print(__doc__)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_ipc_selftest import _gpu_count
+    import children  # tests/helpers
 
-    if _gpu_count() == 0:
+    if children.gpu_count() == 0:
         print("python tests/helpers/gpu_ipc_faults.py: error: needs a CUDA GPU (nvidia-smi lists none); "
               "tests/gpu/test_cuda_ipc.py skips without one", file=sys.stderr)
         return 2
-    distinct = _gpu_count() >= 2 and "--shared" not in sys.argv
+    distinct = children.gpu_count() >= 2 and "--shared" not in sys.argv
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -28,7 +28,7 @@ SAN_STEPS=" ${SAN_STEPS//multi/driver ipc4} "
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/ortools ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # kept: a package put on the path by the caller
 fi
 S=$OUT/summary.txt
 SAN_KERNELS=${SAN_KERNELS-"--kernel-name kns=jax_blink"}

@@ -11,7 +11,7 @@
 # builds faster), TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
-# Issue 31, on 4 GPUs (the package built; each step bounded, about 6 minutes for the three; `multi`
+# Issue 31, on 4 GPUs (the package built; each step bounded, about 8 minutes for the three; `multi`
 # is sanitize4 soak faults4): sanitize4 runs benchmarks/gpu_sanitizers.sh's steps driver and ipc4
 # (memcheck, racecheck, synccheck over benchmarks/gpu_collectives_driver.py on 2-4 GPUs and over
 # the IPC self-test of 4 processes; summary in $OUT/sanitize4/summary.txt); soak runs
@@ -35,7 +35,7 @@ CUDA_ARCHS=${CUDA_ARCHS:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/ortools ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 log() { echo "=== $*" | tee -a "$OUT/session.log"; }
 # Kill what a bounded step left behind: the process groups its Python parent listed (CHILD_PIDS_FILE).
@@ -140,9 +140,9 @@ for name in ("ipc-selftest.json", "ipc-timing-64-blocks.json"):
             print("  ", {k: v for k, v in t.items() if k != "profile"}, t.get("profile", ""))
 PY
       ;;
-    sanitize4)  # issue 31: the sanitizers over 2-4 GPUs of one process and 4 processes (260 s at most)
+    sanitize4)  # issue 31: the sanitizers over 2-4 GPUs of one process and 4 processes (330 s at most)
       log sanitize4
-      SAN_STEPS=multi OUT="$OUT/sanitize4" timeout -k 10 260 bash benchmarks/gpu_sanitizers.sh > "$OUT/sanitize4.log" 2>&1
+      SAN_STEPS=multi OUT="$OUT/sanitize4" timeout -k 10 330 bash benchmarks/gpu_sanitizers.sh > "$OUT/sanitize4.log" 2>&1
       echo "sanitize4 rc=$?" | tee -a "$OUT/session.log"; cat "$OUT/sanitize4/summary.txt" ;;
     soak)  # issue 31: mixed collectives for SOAK_S seconds on every GPU, memory before and after
       log "soak ${SOAK_S:-15} s"

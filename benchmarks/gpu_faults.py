@@ -439,6 +439,10 @@ def _recover(job: Job, report: dict, alive: list[int], seed: int, failed_site=No
         rec = _call(job.site(mesh), x, host.astype(np.float64).sum(0), t_budget, "new site after reset")
         report["recovery"] = rec
         report["recovered"] = rec["state"] == "ok"
+    if job.platform == "gpu":  # which call sites this process set up, and how each ended
+        from jax_blink.lowering import processes
+
+        report["ipc_setups"] = processes.ipc_setup_log()[-6:]
     if job.pid != job.victim:
         report["ok"] = bool(report.get("error_in_budget") and report.get("recovered"))
     else:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import math
 import secrets
@@ -384,6 +385,17 @@ def _ipc_probe() -> str | None:
     return None
 
 
+#: The last CUDA IPC set-ups of this process, oldest first (:func:`ipc_setup_log`).
+_SETUP_LOG: collections.deque = collections.deque(maxlen=64)
+
+
+def ipc_setup_log() -> list[dict]:
+    """This process's last CUDA IPC set-ups (at most 64), oldest first: each call site's
+    ``comm_id``, rank count, collective, bytes per rank and ``outcome`` ("ok", "running" or the
+    error), so that a job whose processes disagree on a call site can be read afterwards."""
+    return [dict(e) for e in _SETUP_LOG]
+
+
 def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_device: np.ndarray,
               collective: str = "allreduce", root: int | None = None) -> None:
     """Register this process's ranks of call site ``comm_id`` (every group) for CUDA IPC, publish
@@ -392,6 +404,18 @@ def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_
     RuntimeError naming the process that did not answer or why CUDA refused."""
     if collective not in IPC_COLLECTIVES:
         raise ValueError(f"jax_blink: {collective!r} has no CUDA IPC form; it takes one of {sorted(IPC_COLLECTIVES)}")
+    entry = {"comm_id": int(comm_id), "n": int(n), "collective": collective, "bytes": int(nbytes),
+             "outcome": "running"}
+    _SETUP_LOG.append(entry)
+    try:
+        _ipc_setup(comm_id, n, nbytes, rank_process, rank_device, collective, root)
+    except BaseException as e:
+        entry["outcome"] = f"{type(e).__name__}: {e}"[:300]
+        raise
+    entry["outcome"] = "ok"
+
+
+def _ipc_setup(comm_id, n, nbytes, rank_process, rank_device, collective, root) -> None:
     mod = _backends.module("gpu")
     client = _client()
     me = jax.process_index()

@@ -77,3 +77,7 @@ def test_ipc_setup_fails_every_process_before_opening_a_mismatched_peer(monkeypa
     store[processes._IPC_KEY.format(6, 0, 1)] = processes.ipc_record(4096, "allreduce", None, 2, b"handle-1")
     processes.ipc_setup(6, 2, 4096, rank_process, rank_device)
     assert opened == [(0, 1, b"handle-1")]
+    log = processes.ipc_setup_log()[-2:]  # both set-ups, how each ended
+    assert [(e["comm_id"], e["n"], e["bytes"]) for e in log] == [(5, 2, 4096), (6, 2, 4096)]
+    assert log[0]["outcome"].startswith("RuntimeError: ") and "8192 bytes" in log[0]["outcome"]
+    assert log[1]["outcome"] == "ok"

@@ -434,6 +434,7 @@ def _recover(job: Job, report: dict, alive: list[int], seed: int, failed_site=No
     report["next_comm_id"] = _next_comm_id_here()
     if job.pid in alive:
         job.barrier("recover", alive, wait_s=3 * t_budget + 120)
+        report["t_after_recover_barrier"] = time.time()  # against ipc_setups' "started": who came late
         mesh = job.mesh(alive)
         host, x = job.data(mesh, seed + 100)
         rec = _call(job.site(mesh), x, host.astype(np.float64).sum(0), t_budget, "new site after reset")

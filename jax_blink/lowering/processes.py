@@ -22,6 +22,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import weakref
 
 import jax
@@ -391,8 +392,9 @@ _SETUP_LOG: collections.deque = collections.deque(maxlen=64)
 
 def ipc_setup_log() -> list[dict]:
     """This process's last CUDA IPC set-ups (at most 64), oldest first: each call site's
-    ``comm_id``, rank count, collective, bytes per rank and ``outcome`` ("ok", "running" or the
-    error), so that a job whose processes disagree on a call site can be read afterwards."""
+    ``comm_id``, rank count, collective, bytes per rank, ``outcome`` ("ok", "running" or the
+    error), ``started`` (wall clock, s) and ``seconds``, so that a job whose processes disagree on
+    a call site, or reach it at different times, can be read afterwards."""
     return [dict(e) for e in _SETUP_LOG]
 
 
@@ -405,13 +407,15 @@ def ipc_setup(comm_id: int, n: int, nbytes: int, rank_process: np.ndarray, rank_
     if collective not in IPC_COLLECTIVES:
         raise ValueError(f"jax_blink: {collective!r} has no CUDA IPC form; it takes one of {sorted(IPC_COLLECTIVES)}")
     entry = {"comm_id": int(comm_id), "n": int(n), "collective": collective, "bytes": int(nbytes),
-             "outcome": "running"}
+             "outcome": "running", "started": time.time()}
     _SETUP_LOG.append(entry)
     try:
         _ipc_setup(comm_id, n, nbytes, rank_process, rank_device, collective, root)
     except BaseException as e:
         entry["outcome"] = f"{type(e).__name__}: {e}"[:300]
         raise
+    finally:
+        entry["seconds"] = round(time.time() - entry["started"], 3)
     entry["outcome"] = "ok"
 
 

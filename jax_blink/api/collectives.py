@@ -16,7 +16,7 @@ from jax import lax
 from jax_blink.lowering import backends as _backends
 from jax_blink.lowering import hierarchy as _hierarchy
 from jax_blink.lowering import processes as _distributed
-from jax_blink.lowering.custom_call import SUPPORTED_DTYPES, collective_call
+from jax_blink.lowering.custom_call import SUPPORTED_DTYPES, collective_call, start_comm_epoch
 from jax_blink.lowering.decision import across_hosts_to_lax, executor_ready, three_phases, use_lax
 from jax_blink.lowering.mesh import (AxisName, axes_of, axis_index, axis_size, group_index, lax_type,
                                      on_mesh, platform as _platform)
@@ -397,8 +397,24 @@ def backends() -> dict[str, bool]:
 
 
 check = _backends.check
-reset = _backends.reset
 check_environment = _backends.check_environment
+
+
+def reset() -> None:
+    """Clear every executor's recorded failures and call counts, so collectives run again.
+
+    After a failure on a GPU, that GPU's collectives keep failing until this is called; a call
+    site whose processes lost step (CUDA IPC) stays failed, and sites traced afterwards run.
+    It also starts a new epoch of call-site ids: in a job of several processes, call it in every
+    process, as many times in each, and the sites traced afterwards pair across the processes
+    again, also where the failure left them with different numbers of sites traced (a process
+    that never reached one). Call it only while no collective runs.
+
+    Raises:
+        RuntimeError: A collective is running.
+    """
+    _backends.reset()
+    start_comm_epoch()
 
 
 # The asynchronous all-reduce (jax_blink/api/overlap.py), exported beside the synchronous one.

@@ -25,12 +25,28 @@ SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64
 
 _comm_ids = itertools.count(1)
 _comm_lock = threading.Lock()
+#: Comm ids of epoch e count from e << 44 + 1 (:func:`start_comm_epoch`).
+COMM_EPOCH_SHIFT = 44
+_comm_epoch = 0
 
 
 def _next_comm_id() -> int:
-    # One id per lowered call site: the executors key their rendezvous state on it.
+    # One id per lowered call site: the executors key their rendezvous state on it. The processes
+    # of a job pair their sites by it, so each must have lowered as many sites since the epoch began.
     with _comm_lock:
         return next(_comm_ids)
+
+
+def start_comm_epoch() -> int:
+    """Count the comm ids of new call sites from a new base, ``epoch << COMM_EPOCH_SHIFT``, and
+    return the epoch. A failure can leave the processes of a job with different numbers of sites
+    lowered (one that never reached a site, one that failed before its set-up); every process
+    starting the same next epoch (``jax_blink.reset()``) pairs their new sites again."""
+    global _comm_ids, _comm_epoch
+    with _comm_lock:
+        _comm_epoch += 1
+        _comm_ids = itertools.count((_comm_epoch << COMM_EPOCH_SHIFT) + 1)
+        return _comm_epoch
 
 
 def chunk_bytes_for(collective: str, n: int, nbytes: int, dtype, kind: str | None = None):

@@ -33,8 +33,6 @@ from jax_blink.options.settings import env_value
 
 _KEY = "jax_blink/job_key"
 _HOST_KEY = "jax_blink/host/{}"
-#: How long a process waits for the store (the job key from process 0, the others' host names).
-STORE_TIMEOUT_S = 60.0
 
 #: A communicator's set-up budget unless JAX_BLINK_SETUP_TIMEOUT_S says otherwise.
 DEFAULT_SETUP_TIMEOUT_S = 60.0
@@ -68,11 +66,12 @@ def job_key() -> str:
         key = secrets.token_hex(8)
         client.key_value_set(_KEY, key)
         return key
+    wait_s = setup_timeout_s()  # part of the first collective's set-up: its budget
     try:
-        return str(client.blocking_key_value_get(_KEY, int(STORE_TIMEOUT_S * 1000)))
+        return str(client.blocking_key_value_get(_KEY, int(wait_s * 1000)))
     except Exception as e:  # the store's own error says little: name the process
         raise RuntimeError(
-            f"jax_blink: process {jax.process_index()} waited {STORE_TIMEOUT_S:g} s for process 0 "
+            f"jax_blink: process {jax.process_index()} waited {wait_s:g} s (JAX_BLINK_SETUP_TIMEOUT_S) for process 0 "
             f"to publish the job key ({type(e).__name__}: {e}); process 0 did not answer (it died, "
             "or it does not run the same collectives as this process)") from e
 
@@ -171,18 +170,28 @@ def processes_per_host() -> int | None:
 
 
 @functools.cache
+def _publish_host_name() -> None:
+    # Once per process: the store refuses a key set twice, and a gather that failed (a process
+    # late) is tried again at the next collective.
+    _client().key_value_set(_HOST_KEY.format(jax.process_index()), socket.gethostname())
+
+
+@functools.cache
 def _host_names() -> tuple[str, ...]:
     if jax.process_count() == 1:
         return (socket.gethostname(),)
     client = _client()
-    client.key_value_set(_HOST_KEY.format(jax.process_index()), socket.gethostname())
+    _publish_host_name()
     names = []
+    deadline = time.monotonic() + setup_timeout_s()  # part of the first collective's set-up: its budget
     for p in range(jax.process_count()):
         try:
-            names.append(str(client.blocking_key_value_get(_HOST_KEY.format(p), int(STORE_TIMEOUT_S * 1000))))
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            names.append(str(client.blocking_key_value_get(_HOST_KEY.format(p), left_ms)))
         except Exception as e:
-            raise RuntimeError(f"jax_blink: process {jax.process_index()} waited {STORE_TIMEOUT_S:g} s for "
-                               f"process {p} to publish its host name; process {p} did not answer") from e
+            raise RuntimeError(f"jax_blink: process {jax.process_index()} waited {setup_timeout_s():g} s "
+                               f"(JAX_BLINK_SETUP_TIMEOUT_S) for process {p} to publish its host name; process {p} "
+                               "did not answer (it died, or it has not reached this collective)") from e
     return tuple(names)
 
 

@@ -80,12 +80,15 @@ using namespace jax_blink::cpu_reduce;  // NOLINT: the element code shared with 
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x314b4e494c42584aULL;  // "JXBLINK1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr int64_t kDefaultTimeoutMs = 10000;
 using cpu_walk::kBroadcast;
 using cpu_walk::kReduce;
 constexpr size_t kAlign = 64;
 constexpr int64_t kSliceMs = 100;  // longest sleep between checks that the watched peer lives
+constexpr const char* kSameCollectives =
+    ": the processes run different collectives under one call-site id (every process must trace the "
+    "same collectives, with the same shapes, in the same order)";
 
 struct alignas(kAlign) Header {
   std::atomic<uint64_t> magic;  // stored last by the creator
@@ -94,6 +97,7 @@ struct alignas(kAlign) Header {
   int64_t total_elems, esize;
   uint64_t program_hash;
   uint64_t size;
+  int32_t creator_process;        // jax.process_index() of the process that created the segment
   std::atomic<int32_t> attached;  // ranks attached so far
   std::atomic<int32_t> failed;    // 0: no failure; 1: being written; 2: `failure` readable
   char failure[2048];
@@ -190,11 +194,7 @@ struct Segment {
 
   // Records the first failure and wakes every sleeper. Returns the failure on record.
   std::string Fail(const std::string& msg) {
-    int32_t expected = 0;
-    if (hdr->failed.compare_exchange_strong(expected, 1)) {
-      std::snprintf(hdr->failure, sizeof hdr->failure, "%s", msg.c_str());
-      hdr->failed.store(2, std::memory_order_release);
-    }
+    PostFailure(*hdr, msg);
     for (int r = 0; r < nranks; ++r) {
       ranks[r].epoch.fetch_add(1);
       FutexWakeAll(&ranks[r].epoch);
@@ -278,11 +278,23 @@ struct Segment {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       if (static_cast<size_t>(st.st_size) != size) {
+        // Another layout: read the creator's header alone, name both sides, and record the
+        // failure there, so that the creator and every peer fail at once instead of waiting out
+        // the set-up budget for a rank that will never attach.
+        void* h = mmap(nullptr, sizeof(Header), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
-        return "shared-memory segment " + name + " has " + std::to_string(st.st_size) +
-               " bytes, this call needs " + std::to_string(size) +
-               ": the processes run different collectives under one call-site id (every process "
-               "must trace the same collectives in the same order)";
+        std::string msg = "shared-memory segment " + name + " has " + std::to_string(st.st_size) +
+                          " bytes, this call needs " + std::to_string(size);
+        if (h != MAP_FAILED) {
+          auto* theirs = static_cast<Header*>(h);
+          while (theirs->magic.load(std::memory_order_acquire) != kMagic && Clock::now() <= deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          if (theirs->magic.load(std::memory_order_acquire) == kMagic)
+            msg = Mismatch(*theirs, "size", dtype, op, esize);
+          PostFailure(*theirs, msg);
+          munmap(h, sizeof(Header));
+        }
+        return msg + kSameCollectives;
       }
     }
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -303,6 +315,7 @@ struct Segment {
       hdr->esize = esize;
       hdr->program_hash = hash;
       hdr->size = size;
+      hdr->creator_process = g_process;
       hdr->magic.store(kMagic, std::memory_order_release);
       return {};
     }
@@ -316,11 +329,37 @@ struct Segment {
     else if (hdr->dtype != static_cast<int32_t>(dtype)) diff = "dtype";
     else if (hdr->op != op) diff = "op";
     else if (hdr->total_elems != program.total_elems() || hdr->esize != esize) diff = "operand size";
-    if (!diff.empty())
-      return "this process's call differs from its peers' in its " + diff +
-             ": the processes run different collectives under one call-site id (every process must "
-             "trace the same collectives in the same order)";
+    if (!diff.empty()) {
+      const std::string msg = Mismatch(*hdr, diff, dtype, op, esize);
+      PostFailure(*hdr, msg);
+      return msg + kSameCollectives;
+    }
     return {};
+  }
+
+  // Both sides of a call that differs from the segment's creator's: who, and with what.
+  std::string Mismatch(const Header& theirs, const std::string& what, ffi::DataType dtype, int32_t op,
+                       int64_t esize) const {
+    auto side = [](int64_t elems, int64_t bytes, int32_t n, int32_t dt, int32_t o) {
+      return std::to_string(elems) + " elements of " + std::to_string(bytes) + " bytes per rank (" +
+             std::to_string(elems * bytes) + " bytes), " + std::to_string(n) + " ranks, XLA dtype id " +
+             std::to_string(dt) + ", op " + std::to_string(o);
+    };
+    return "process " + std::to_string(g_process) + "'s call differs from process " +
+           std::to_string(theirs.creator_process) + "'s in its " + what + ": process " +
+           std::to_string(theirs.creator_process) + " set this call site up with " +
+           side(theirs.total_elems, theirs.esize, theirs.nranks, theirs.dtype, theirs.op) +
+           "; process " + std::to_string(g_process) + " calls it with " +
+           side(program.total_elems(), esize, nranks, static_cast<int32_t>(dtype), op);
+  }
+
+  // The header's failure record (the first one stays); set-up waits read it within 1 ms.
+  static void PostFailure(Header& h, const std::string& msg) {
+    int32_t expected = 0;
+    if (h.failed.compare_exchange_strong(expected, 1)) {
+      std::snprintf(h.failure, sizeof h.failure, "%s", msg.c_str());
+      h.failed.store(2, std::memory_order_release);
+    }
   }
 };
 
@@ -476,6 +515,8 @@ std::string Attach(Segment& s, int rank, int device, int64_t timeout_ms) {
     }
   }
   while (s.hdr->attached.load(std::memory_order_acquire) < s.nranks) {
+    // The name stays linked: a rank that arrives later must find this failure, not create a new
+    // segment and wait out its budget alone (processes.cleanup unlinks it at exit).
     if (s.failed()) return "set-up failed: " + s.Failure();
     if (Clock::now() > deadline) {
       std::string missing, procs;

@@ -686,3 +686,16 @@ def test_captured_handler_choice(monkeypatch):
     assert C.captured_handler("gpu", "allgather", 4, 1 << 30)
     monkeypatch.setattr(jax_blink.config, "command_buffers", False)
     assert not C.captured_handler("gpu", "allreduce", 2, 1024)
+
+
+def test_reset_starts_a_new_epoch_of_comm_ids():
+    # Processes that lowered different numbers of call sites before a failure pair their new
+    # sites again after each calls reset() (tests/multiprocess/test_faults_harness.py: "setup").
+    from jax_blink.lowering import custom_call
+
+    shift = custom_call.COMM_EPOCH_SHIFT
+    before = custom_call._next_comm_id()
+    jax_blink.reset()
+    first, second = custom_call._next_comm_id(), custom_call._next_comm_id()
+    assert first >> shift == (before >> shift) + 1 and first & ((1 << shift) - 1) == 1
+    assert second == first + 1

@@ -19,7 +19,8 @@
 # (a skipping rank in one process; 4 processes: one that never calls, frees its memory early,
 # never reaches a set-up, is killed mid-call, brings another shape).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
-# taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 5 minutes);
+# taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
+# on 4 x H200; TRAIN_ASYNC_BLOCKS="8 12" adds a GPT-2 run per overlapped grid size, 1.5 min each);
 # decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes); schedule
 # prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
@@ -167,6 +168,13 @@ PY
           t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
           [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
         done
+      done
+      # TRAIN_ASYNC_BLOCKS="8 12": GPT-2 again with the overlapped kernels' grid at each size (the
+      # default 24 blocks slowed the compute beside them by about as much as they hid, NOTES change 14)
+      for blocks in ${TRAIN_ASYNC_BLOCKS:-}; do
+        JAX_BLINK_ASYNC_BLOCKS=$blocks timeout -k 5 200 python3 -m jax_blink.tools.train --model gpt2 --size full \
+          --collective overlap --steps 2 --timing-runs 10 --out "$OUT/train-blocks$blocks" > "$OUT/train-gpt2-blocks$blocks.log" 2>&1
+        echo "train gpt2 async blocks $blocks rc=$?" | tee -a "$OUT/session.log"; grep "ms " "$OUT/train-gpt2-blocks$blocks.log" | tail -4
       done ;;
     decode)  # issue 29: decode steps of the Llama-shaped model, tp = DECODE_TP
       log decode

@@ -125,9 +125,8 @@ class Case:
             out = np.stack([each] * n)
         else:  # reduce_scatter: rank r keeps block r of the sum (tiled: of dimension 0; blocks: row r)
             out = wide.sum(axis=0)
-        out = out.reshape((-1,) + out.shape[2:]) if out.ndim > 1 and self.what != "reduce_scatter" else out
-        if self.what == "reduce_scatter" and not self.tiled:
-            out = out.reshape(-1)
+        # every rank's result stacked on axis 0 (reduce_scatter's blocks already are, in rank order)
+        out = out.reshape(-1) if self.what == "reduce_scatter" else out.reshape((-1,) + out.shape[2:])
         dt = np.dtype(jnp.dtype(self.dtype))
         return out.astype(dt) if np.issubdtype(dt, np.integer) else out.astype(np.float32).astype(dt)
 

@@ -188,8 +188,6 @@ def main(argv=None) -> int:
         ap.error(f"no folder to write {args.out!r} in")
 
     import jax
-    import numpy as np
-    from jax.sharding import Mesh
 
     import jax_blink
 
@@ -201,10 +199,23 @@ def main(argv=None) -> int:
     if not ranks or min(ranks) < 2 or max(ranks) > len(devices):
         ap.error(f"--ranks must lie in 2..{len(devices)} (the devices jax sees), got {args.ranks or 'none'}")
     calls = args.calls or (2 if args.quick else 3)
-    jax_blink.config.dispatch = "blink"  # every size through the executor, never quietly to lax
-    jax_blink.config.fallback = "raise"
+    from jax_blink.options.settings import override
+
+    fields = {"dispatch": "blink", "fallback": "raise"}  # every size through the executor, never quietly to lax
     if args.timeout_s is not None:
-        jax_blink.config.timeout_s = args.timeout_s
+        fields["timeout_s"] = args.timeout_s
+    with override(**fields):  # this run's options, not the caller's after it (main() runs in tests too)
+        return _drive(args, devices, ranks, sizes, dtypes, calls)
+
+
+def _drive(args, devices, ranks, sizes, dtypes, calls) -> int:
+    """Every program of the run, printed and checked; ``--out`` written. Exits as :func:`main`."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jax_blink
+
     platform = devices[0].platform
     gpu_mod = _gpu_module() if platform == "gpu" else None
     rng = np.random.default_rng(args.seed)

@@ -43,9 +43,7 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -279,8 +277,6 @@ def run_case(job: Job, case: str, seed: int) -> dict:
     """One case in this process; returns its report (victim or survivor view)."""
     import numpy as np
 
-    import jax_blink
-
     job.phase = case
     everyone = list(range(job.nproc))
     survivors = everyone[:-1]
@@ -400,18 +396,12 @@ def run_case(job: Job, case: str, seed: int) -> dict:
     return _recover(job, report, alive, seed, failed_site=(f, x4, host4))
 
 
-def _next_comm_id_here() -> int | None:
-    from jax_blink.lowering import custom_call
-
-    text = repr(custom_call._comm_ids)  # "count(7)": read, not advanced
-    return int(text[text.index("(") + 1:-1]) if text.startswith("count(") else None
-
-
 def _recover(job: Job, report: dict, alive: list[int], seed: int, failed_site=None) -> dict:
     """reset(), then (survivors) the failed site again, then a new site over the processes alive."""
     import numpy as np
 
     import jax_blink
+    from jax_blink.lowering import custom_call
 
     t_budget = job.timeout_s + MARGIN_S
     reset = _outcome(jax_blink.reset, 60)
@@ -424,7 +414,7 @@ def _recover(job: Job, report: dict, alive: list[int], seed: int, failed_site=No
         report["failed site after reset"] = {k: v for k, v in same.items() if k != "value"}
     # The next call site's comm id in this process: the processes' sites match only while every
     # process has lowered as many (a difference here explains a set-up that waits for a peer).
-    report["next_comm_id"] = _next_comm_id_here()
+    report["next_comm_id"] = custom_call.upcoming_comm_id()
     if job.pid in alive:
         job.barrier("recover", alive, wait_s=3 * t_budget + 120)
         report["t_after_recover_barrier"] = time.time()  # against ipc_setups' "started": who came late
@@ -493,30 +483,10 @@ def child_job(pid: int, nproc: int, port: int, platform: str, layout: str, cases
 # The parent: children bounded in time, killed and reaped; the table.
 
 def _run_children(argvs: list[list[str]], timeout_s: float, env: dict | None = None) -> list[dict]:
-    logs = [tempfile.TemporaryFile("w+") for _ in argvs]  # files, not pipes: a full pipe stalls a child
-    procs = [subprocess.Popen(a, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**os.environ, **(env or {})}) for a, log in zip(argvs, logs)]
-    children.note_children(procs)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.5, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            break
     out = []
-    for p, log in zip(procs, logs):
-        killed = p.poll() is None
-        if killed:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
-        log.seek(0)
-        text = log.read()
-        log.close()
-        phases = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("PHASE ")]
-        out.append({"rc": p.returncode, "killed_at_deadline": killed, "phases": phases, "tail": text[-2500:]})
+    for r in children.run_bounded(argvs, timeout_s, env):
+        phases = [json.loads(ln[6:]) for ln in r["output"].splitlines() if ln.startswith("PHASE ")]
+        out.append({"rc": r["rc"], "killed_at_deadline": r["killed"], "phases": phases, "tail": r["output"][-2500:]})
     return out
 
 

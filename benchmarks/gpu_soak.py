@@ -203,10 +203,8 @@ def run(duration: float, devices=None, min_bytes: int = 1 << 10, max_bytes: int 
         orders: int = 6, seed: int = 0, timeout_s: float | None = None) -> dict:
     """Run the soak for ``duration`` seconds on ``devices`` (default all); returns the report."""
     import jax
-    import numpy as np
-    from jax.sharding import Mesh
 
-    import jax_blink
+    from jax_blink.options.settings import override
 
     devices = list(devices or jax.devices())
     if len(devices) < 2:
@@ -215,10 +213,18 @@ def run(duration: float, devices=None, min_bytes: int = 1 << 10, max_bytes: int 
     max_bytes = max_bytes or ((256 << 20) if platform == "gpu" else (256 << 10))
     if not 16 <= min_bytes <= max_bytes:
         raise ValueError(f"need 16 <= min_bytes <= max_bytes, got {min_bytes} and {max_bytes}")
-    jax_blink.config.dispatch = "blink"  # every size through the executor, never quietly to lax
-    jax_blink.config.fallback = "raise"
+    fields = {"dispatch": "blink", "fallback": "raise"}  # every size through the executor, never quietly to lax
     if timeout_s is not None:
-        jax_blink.config.timeout_s = timeout_s
+        fields["timeout_s"] = timeout_s
+    with override(**fields):  # this run's options, not the caller's after it
+        return _soak(duration, devices, platform, min_bytes, max_bytes, orders, seed)
+
+
+def _soak(duration, devices, platform, min_bytes, max_bytes, orders, seed) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
     rng = np.random.default_rng(seed)
     mesh = Mesh(np.array(devices), (cc.AXIS,))
     soak = Soak(mesh, draw_orders(rng, orders, len(devices)), seed)

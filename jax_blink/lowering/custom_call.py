@@ -3,7 +3,6 @@ schedule, cached), the executor's attributes, and the ``jax.ffi.ffi_call`` that 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 
 import jax
@@ -23,18 +22,27 @@ from jax_blink.planning.topology import DEFAULT_HOST_ENGINE, HOST_PATH_EFFICIENC
 #: The dtypes the executors reduce and move.
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
 
-_comm_ids = itertools.count(1)
 _comm_lock = threading.Lock()
 #: Comm ids of epoch e count from e << 44 + 1 (:func:`start_comm_epoch`).
 COMM_EPOCH_SHIFT = 44
 _comm_epoch = 0
+_comm_next = 1
 
 
 def _next_comm_id() -> int:
     # One id per lowered call site: the executors key their rendezvous state on it. The processes
     # of a job pair their sites by it, so each must have lowered as many sites since the epoch began.
+    global _comm_next
     with _comm_lock:
-        return next(_comm_ids)
+        _comm_next += 1
+        return _comm_next - 1
+
+
+def upcoming_comm_id() -> int:
+    """The comm id the next call site lowered in this process will take (nothing is drawn): to
+    compare the processes of a job after a failure."""
+    with _comm_lock:
+        return _comm_next
 
 
 def start_comm_epoch() -> int:
@@ -42,10 +50,10 @@ def start_comm_epoch() -> int:
     return the epoch. A failure can leave the processes of a job with different numbers of sites
     lowered (one that never reached a site, one that failed before its set-up); every process
     starting the same next epoch (``jax_blink.reset()``) pairs their new sites again."""
-    global _comm_ids, _comm_epoch
+    global _comm_next, _comm_epoch
     with _comm_lock:
         _comm_epoch += 1
-        _comm_ids = itertools.count((_comm_epoch << COMM_EPOCH_SHIFT) + 1)
+        _comm_next = (_comm_epoch << COMM_EPOCH_SHIFT) + 1
         return _comm_epoch
 
 

@@ -8,6 +8,7 @@ against jax 0.10.2, 0.11.2 and 0.12.0.1 (the CPU test suite on each; newest-jax.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
 from typing import Any
 
 import numpy as np
@@ -312,5 +313,3 @@ def inlined_call_jaxpr(eqn):
         return eqn.params["call_jaxpr"]
     return None
 
-
-from contextlib import nullcontext as _nullcontext  # noqa: E402

@@ -225,7 +225,12 @@ def _parse_chunk(text: str) -> int | str:
 
 
 def _parse_flag_or_auto(text: str) -> bool | str:
-    return AUTO if text.lower() == AUTO else _parse_flag(text)
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        return _parse_flag(text)
+    except ValueError:
+        raise ValueError(f"not {AUTO}, 1/true/yes/on or 0/false/no/off") from None
 
 
 def _parse_flag(text: str) -> bool:

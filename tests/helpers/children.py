@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 
 def gpu_count() -> int:
@@ -37,3 +39,37 @@ def note_children(procs) -> None:
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def run_bounded(argvs: list[list[str]], timeout_s: float, env: dict | None = None) -> list[dict]:
+    """Start one child per argv, each leading a process group of its own and writing to a file (a
+    full pipe would stall it); wait until all have exited or ``timeout_s`` has passed, then kill
+    the groups still running and reap every child. Per child: ``rc``, ``killed`` (at the
+    deadline), ``exited`` (wall-clock time it was seen gone; None where killed) and ``output``."""
+    logs = [tempfile.TemporaryFile("w+") for _ in argvs]
+    procs = [subprocess.Popen(a, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, **(env or {})}) for a, log in zip(argvs, logs)]
+    note_children(procs)
+    deadline = time.monotonic() + timeout_s
+    exited: list[float | None] = [None] * len(procs)
+    while None in exited and time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if exited[i] is None and p.poll() is not None:
+                exited[i] = time.time()
+        time.sleep(0.05)
+    out = []
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        killed = exited[i] is None and p.poll() is None
+        if killed:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+        if exited[i] is None and not killed:  # exited between the last poll and the deadline
+            exited[i] = time.time()
+        log.seek(0)
+        out.append({"rc": p.returncode, "killed": killed, "exited": exited[i], "output": log.read()})
+        log.close()
+    return out
+

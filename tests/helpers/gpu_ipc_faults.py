@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -110,27 +109,14 @@ def child(pid: int, port: int, distinct: bool, fault: str, what: str) -> dict:
 
 
 def _run_children(argv_of, timeout_s: float) -> list[dict]:
-    """Start one child per argv, wait for all (killing and reaping every one past timeout_s);
-    each gets its return code, output, RESULT dict and the time it exited."""
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for argv in argv_of]
+    """Every child bounded (children.run_bounded): its return code, output, RESULT dict and the
+    time it exited."""
     import children  # tests/helpers, on the path since main()
 
-    children.note_children(procs)
-    deadline = time.time() + timeout_s
-    exited = [None] * len(procs)
-    while any(t is None for t in exited) and time.time() < deadline:
-        for i, p in enumerate(procs):
-            if exited[i] is None and p.poll() is not None:
-                exited[i] = time.time()
-        time.sleep(0.1)
     out = []
-    for i, p in enumerate(procs):
-        if exited[i] is None:  # the child's whole group: it leads one (start_new_session)
-            os.killpg(p.pid, signal.SIGKILL)
-        text, _ = p.communicate()
-        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-        out.append({"rc": p.returncode, "exited": exited[i], "output": text[-3000:],
+    for r in children.run_bounded(argv_of, timeout_s):
+        lines = [ln for ln in r["output"].splitlines() if ln.startswith("RESULT ")]
+        out.append({"rc": r["rc"], "exited": r["exited"], "output": r["output"][-3000:],
                     "result": json.loads(lines[-1][7:]) if lines else None})
     return out
 

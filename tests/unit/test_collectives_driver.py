@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import collective_checks as cc  # noqa: E402
+import jax_blink  # noqa: E402
 import gpu_collectives_driver as driver  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 4,
@@ -55,8 +56,10 @@ def test_the_driver_fails_a_wrong_result_against_either_reference(tmp_path, monk
 
     monkeypatch.setattr(cc.Case, "ours", off_by_one)
     out = tmp_path / "d.json"
+    before = (jax_blink.config.dispatch, jax_blink.config.fallback)
     rc = driver.main(["--ranks", "3", "--sizes", "4K", "--dtypes", "float32", "--calls", "1",
                       "--reference", reference, "--out", str(out)])
+    assert (jax_blink.config.dispatch, jax_blink.config.fallback) == before  # the run's options are undone
     r = json.loads(out.read_text())
     assert rc == 1 and not r["ok"] and r["reference"] == reference
     bad = r["rows"][0]["runs"][0]["failures"]

@@ -93,17 +93,18 @@ def _warn_no_entry(key: _machine.MachineKey) -> None:
 
 
 def dispatch(collective: str, n: int, nbytes: int, dtype: str, kind: str | None,
-             ranks_layout: str = "one process") -> Decision:
+             ranks_layout: str = "one process", warn: bool = True) -> Decision:
     """``config.dispatch`` for one call of ``collective`` with ``nbytes`` per rank on ``n`` devices of
     ``kind``: ``"auto"`` follows this machine's measured entry (:func:`choice`: tuned, shipped,
-    or the meanwhile rule, which warns once per process) for the operand's ``dtype`` and the
-    ``ranks_layout`` (``"one process"`` or ``"several processes"``)."""
+    or the meanwhile rule, which warns once per process unless ``warn`` is False: a report that
+    prints the same text itself) for the operand's ``dtype`` and the ``ranks_layout``
+    (``"one process"`` or ``"several processes"``)."""
     if config.dispatch == "lax":
         return Decision(False, "dispatch=lax (JAX_BLINK_DISPATCH or jax_blink.config.dispatch)")
     if config.dispatch == "blink":
         return Decision(True, "dispatch=blink: the executor runs every call")
     c = choice(collective, n, dtype, kind, ranks_layout)
-    if c.source == "meanwhile":
+    if c.source == "meanwhile" and warn:
         _warn_no_entry(c.machine)
     where = {"tuned": f"this machine's tuned entry, {dispatch_cache.cache_file()}",
              "shipped": "the shipped entry, jax_blink/lowering/dispatch_entries.json",

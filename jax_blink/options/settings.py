@@ -230,7 +230,7 @@ def _parse_flag_or_auto(text: str) -> bool | str:
     try:
         return _parse_flag(text)
     except ValueError:
-        raise ValueError(f"not {AUTO}, 1/true/yes/on or 0/false/no/off") from None
+        raise ValueError(f"not {AUTO}, and not 1/true/yes/on or 0/false/no/off") from None
 
 
 def _parse_flag(text: str) -> bool:

@@ -138,7 +138,7 @@ def _would_run(devices: list) -> list[str]:
     lines = _entry_lines(kind, n) + [f"{n} x {kind}, float32, config.dispatch={jax_blink.config.dispatch!r}:"]
     for collective in ("allreduce", "allgather", "reducescatter"):
         for nbytes in _SIZES:
-            d = dispatch(collective, n, nbytes, "float32", kind)
+            d = dispatch(collective, n, nbytes, "float32", kind, warn=False)  # _entry_lines says it
             where = "jax_blink executor" if d.executor else LAX_NAME[collective]
             lines.append(f"  {collective:13s} {nbytes:>9d} bytes per rank: {where} ({d.reason})")
     return lines

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import collective_checks as cc  # noqa: E402  (benchmarks/ on the path first)
 
 DEFAULT_SIZES = "4K,1M,16M,64M"
+
 DEFAULT_DTYPES = "float32,bfloat16,int32"
 
 
@@ -176,6 +177,9 @@ def main(argv=None) -> int:
                     help="what each result is checked against: lax's collectives on the devices (default), "
                          "or numpy's result on the host, put on the devices: no NCCL set-up, which under "
                          "compute-sanitizer took 40 s and more")
+    ap.add_argument("--collectives", default=None,
+                    help=f"keep only these of {','.join(cc.COLLECTIVES)} in every program (default all: "
+                         "one at a time narrows a sanitizer's finding to a kernel)")
     ap.add_argument("--seed", type=int, default=31)
     ap.add_argument("--out", metavar="JSON", help="write every result here")
     args = ap.parse_args(argv)
@@ -184,6 +188,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--sizes: {e}")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    keep = [c.strip() for c in args.collectives.split(",") if c.strip()] if args.collectives else None
+    if keep is not None and (not keep or set(keep) - set(cc.COLLECTIVES)):
+        ap.error(f"--collectives: {args.collectives!r} names none or others than {','.join(cc.COLLECTIVES)}")
+    args.keep = keep
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         ap.error(f"no folder to write {args.out!r} in")
 
@@ -227,7 +235,10 @@ def _drive(args, devices, ranks, sizes, dtypes, calls) -> int:
     for n in ranks:
         mesh = Mesh(np.array(devices[:n]), (cc.AXIS,))
         todo = [(cases, None) for cases in plan_programs(n, sizes, dtypes, args.quick)]
-        if n == 2 and platform == "gpu" and not args.no_host_channel:
+        if args.keep is not None:
+            todo = [([c for c in cases if c.what in args.keep], env) for cases, env in todo]
+            todo = [(cases, env) for cases, env in todo if cases]
+        if n == 2 and platform == "gpu" and not args.no_host_channel and (args.keep is None or "all_reduce" in args.keep):
             todo.append(([cc.Case("all_reduce", "float32", max(sizes))],
                          {"JAX_BLINK_HOST_MIN_BYTES": "1M", "JAX_BLINK_HOST_SHARE": "0.1"}))
         for cases, env in todo:

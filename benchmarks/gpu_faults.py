@@ -366,11 +366,16 @@ def run_case(job: Job, case: str, seed: int) -> dict:
         report["what"] = "HANG: call 3 still blocked at the deadline"
         return report
     err = r3.get("error")
-    while err is None and time.monotonic() - t0 < t_budget:
+    # A failed call 3 (wrong or an error) reports through the call or check(); a right one means
+    # the faulty process had posted its part before the fault, and call 4 is the one that fails.
+    while err is None and r3["state"] != "ok" and time.monotonic() - t0 < t_budget:
         err = _check_error()
         if err is None:
             time.sleep(0.05)
     t_err = round(time.monotonic() - t0, 3) if err else None
+    failing_call = 3
+    if err is None and r3["state"] == "ok":
+        t0, failing_call = time.monotonic(), 4  # the time to error counts from the call that fails
     r4 = _call(f, x4, host4.astype(np.float64).sum(0), t_budget, "call 4")
     report["call 4"] = r4
     if err is None and r4.get("error"):
@@ -384,6 +389,7 @@ def run_case(job: Job, case: str, seed: int) -> dict:
             time.sleep(0.05)
         else:
             t_err = round(time.monotonic() - t0, 3)
+    report["failing call"] = failing_call
     report.update(_judge_error(err, t_err, job.timeout_s, rank=job.victim, process=job.victim))
     if case == "kill":
         report["says_process_exited"] = bool(err and "exited" in err)
@@ -507,8 +513,10 @@ def _summarise(case: str, reports: list[dict], job: dict | None) -> dict:
     row["recovered"] = all(r.get("recovered") for r in surv) and (victim is None or victim.get("recovered", True))
     hang = [r["what"] for r in mine if "HANG" in r.get("what", "")]
     states = sorted({r.get("call 3", r.get("faulty call", {})).get("state", "?") for r in surv})
+    failing = sorted({r.get("failing call") for r in surv if r.get("failing call")})
+    at = f" of call {'/'.join(map(str, failing))}" if failing else ""
     row["what"] = "; ".join(hang) if hang else (
-        f"faulty call: {'/'.join(states)}; first error after {row['time_to_error_s']} s"
+        f"faulty call: {'/'.join(states)}; first error after {row['time_to_error_s']} s{at}"
         if row["error_every_survivor"] else f"faulty call: {'/'.join(states)}; NO ERROR on some survivor")
     row["error_example"] = (surv[0].get("error") or "")[:300]
     if victim is not None and victim.get("faulty call"):

@@ -7,7 +7,8 @@
 #   selftest  memcheck, synccheck, initcheck and racecheck over the whole CUDA self-test (ranks as streams)
 #   ipc2      memcheck over the IPC self-test of two processes
 #   driver    memcheck, racecheck, synccheck over benchmarks/gpu_collectives_driver.py: every
-#             collective, dtype and kernel-path size on 2, 3 and 4 GPUs of one process
+#             collective, dtype and kernel-path size on 2, 3 and 4 GPUs of one process (memcheck
+#             one run per rank count; racecheck and synccheck 4 ranks up to 16 MiB)
 #   ipc4      memcheck, racecheck, synccheck over the IPC self-test of 4 processes (--target-processes all)
 #   multi     driver and ipc4
 # Only jax_blink's kernels are checked by default (SAN_KERNELS="--kernel-name kns=jax_blink": they
@@ -16,7 +17,7 @@
 # their process group after it); the summary line of each run (benchmarks/sanitizer_summary.py)
 # counts errors in our kernels, in others and CUDA API errors. Knobs: SAN_DRIVER_ARGS (default
 # --quick --reference host: numpy checks the results, so no NCCL set-up runs under the tool),
-# SAN_T_<TOOL>_DRIVER and SAN_T_IPC4 (seconds).
+# SAN_T_<TOOL>_DRIVER (seconds per run, default 70) and SAN_T_IPC4 (seconds).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 SAN_STEPS=${SAN_STEPS:-"build selftest ipc2"}
@@ -67,17 +68,21 @@ fi
 SAN_ENV="XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_BLINK_TIMEOUT_S=30"
 SAN_ENV="$SAN_ENV XLA_FLAGS=--xla_gpu_autotune_level=0"
 if has driver; then
-  for tool in memcheck racecheck synccheck; do
-    var=SAN_T_${tool^^}_DRIVER; limit=${!var:-$([ $tool = memcheck ] && echo 100 || echo 60)}
+  # One run per rank count for memcheck, and 4 ranks up to 16 MiB (the two-shot kernel's first size)
+  # for racecheck and synccheck: each run short enough to end in its summary line (the whole driver
+  # in one run outlasted 80 s on 4 x H200, 2026-11-27)
+  for run in "memcheck 2" "memcheck 3" "memcheck 4" "racecheck 4 4K,1M,16M" "synccheck 4 4K,1M,16M"; do
+    set -- $run; tool=$1; ranks=$2; sizes=${3:-}
+    var=SAN_T_${tool^^}_DRIVER; limit=${!var:-70}
     # numpy's reference: lax's would set NCCL up under the tool first (40 s and more on 4 x H200,
-    # past the old limits, 2026-11-27); the kernels are the same at 2-3 ranks as at 4
-    args=${SAN_DRIVER_ARGS:---quick --reference host}; [ $tool != memcheck ] && args="$args --ranks 4"
+    # past the old limits, 2026-11-27)
+    args="${SAN_DRIVER_ARGS:---quick --reference host} --ranks $ranks${sizes:+ --sizes $sizes}"
     t0=$(date +%s)
     env $SAN_ENV timeout -k 5 "$limit" compute-sanitizer --tool $tool $SAN_KERNELS \
-      python3 benchmarks/gpu_collectives_driver.py $args --out "$OUT/driver-$tool.json" > "$OUT/san-driver-$tool.log" 2>&1
+      python3 benchmarks/gpu_collectives_driver.py $args --out "$OUT/driver-$tool-$ranks.json" > "$OUT/san-driver-$tool-$ranks.log" 2>&1
     rc=$?
-    summary "$tool driver ($args)" "$OUT/san-driver-$tool.log" "$rc" "$(( $(date +%s)-t0 ))"
-    grep -h "^driver:\|FAILED\|error:" "$OUT/san-driver-$tool.log" | head -4 | sed 's/^/  /' | tee -a $S
+    summary "$tool driver ($args)" "$OUT/san-driver-$tool-$ranks.log" "$rc" "$(( $(date +%s)-t0 ))"
+    grep -h "^driver:\|FAILED\|error:" "$OUT/san-driver-$tool-$ranks.log" | head -4 | sed 's/^/  /' | tee -a $S
   done
 fi
 if has ipc4; then

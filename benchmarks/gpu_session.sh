@@ -18,6 +18,8 @@
 # benchmarks/gpu_soak.py for SOAK_S seconds (default 15); faults4 runs benchmarks/gpu_faults.py
 # (a skipping rank in one process; 4 processes: one that never calls, frees its memory early,
 # never reaches a set-up, is killed mid-call, brings another shape).
+# Issue 27 (the package built): twoshot runs benchmarks/twoshot_sweep.py (the two-shot kernel's
+# knobs and psum taking turns in one process).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_BLOCKS="8 12" adds a GPT-2 run per overlapped grid size, 1.5 min each);
@@ -26,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
@@ -141,9 +143,10 @@ for name in ("ipc-selftest.json", "ipc-timing-64-blocks.json"):
             print("  ", {k: v for k, v in t.items() if k != "profile"}, t.get("profile", ""))
 PY
       ;;
-    sanitize4)  # issue 31: the sanitizers over 2-4 GPUs of one process and 4 processes (330 s at most)
+    sanitize4)  # issue 31: the sanitizers over 2-4 GPUs of one process and 4 processes (8 runs, 460 s at
+      # most; 208 s on 4 x H200, 2026-11-27)
       log sanitize4
-      SAN_STEPS=multi OUT="$OUT/sanitize4" timeout -k 10 330 bash benchmarks/gpu_sanitizers.sh > "$OUT/sanitize4.log" 2>&1
+      SAN_STEPS=multi OUT="$OUT/sanitize4" timeout -k 10 460 bash benchmarks/gpu_sanitizers.sh > "$OUT/sanitize4.log" 2>&1
       echo "sanitize4 rc=$?" | tee -a "$OUT/session.log"; cat "$OUT/sanitize4/summary.txt" ;;
     soak)  # issue 31: mixed collectives for SOAK_S seconds on every GPU, memory before and after
       log "soak ${SOAK_S:-15} s"
@@ -185,6 +188,10 @@ PY
       log schedule
       timeout -k 5 100 python3 benchmarks/overlap_schedule.py --layers 6 --width 2048 --runs 10 \
         > "$OUT/schedule.log" 2>&1; echo "schedule rc=$?"; tail -16 "$OUT/schedule.log" ;;
+    twoshot)  # issue 27: the two-shot kernel's pieces, pull mode and grid against psum, 3+ GPUs (1 min on 4 x H200)
+      log twoshot
+      timeout -k 5 170 python3 benchmarks/twoshot_sweep.py --out "$OUT/twoshot" > "$OUT/twoshot.log" 2>&1
+      echo "twoshot rc=$?" | tee -a "$OUT/session.log"; grep -v "^|" "$OUT/twoshot.log" | tail -24 ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -85,8 +85,11 @@ struct Params {
   int64_t os_elems;    // the operand's elements
   int64_t os_chunk;    // kOneShot: elements per chunk
   // Mode::kTwoShot (cuda/two_shot.cuh): elements per rank's chunk, pieces per chunk (a multiple of
-  // the grid), elements per 16 bytes. os_elems is the operand's elements.
+  // the grid), elements per 16 bytes; ts_pull: 1 runs pull mode in every call
+  // (JAX_BLINK_TWOSHOT_MODE=pull), 0 pull only where an operand aliases its result. os_elems is the
+  // operand's elements.
   int64_t ts_chunk, ts_pieces, ts_align;
+  int32_t ts_pull;
   // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
   // host_elems) through pinned host memory (2 ranks). The communicator's host channel: this
   // rank's outbox and the peer's, each two parity slots of host_slot bytes (device pointers of

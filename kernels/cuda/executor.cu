@@ -438,6 +438,11 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
 int64_t DefaultTwoShotMin() { return EnvBytes("JAX_BLINK_TWOSHOT_MIN_BYTES", kDefaultTwoShotMinBytes); }
+int64_t TwoShotPieceBytes() { return std::max<int64_t>(16, EnvBytes("JAX_BLINK_TWOSHOT_PIECE_BYTES", kTwoShotPieceBytes)); }
+bool TwoShotPullAlways() {  // JAX_BLINK_TWOSHOT_MODE: auto (push unless an operand aliases its result) or pull
+  const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE");
+  return e != nullptr && strcasecmp(e, "pull") == 0;
+}
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 
@@ -949,12 +954,14 @@ int64_t ChooseTwoShot(const Program& prog, bool allreduce, int esize, int G, Par
   const int64_t chunk = prog.total_elems() / (n * align) * align;
   if (chunk <= 0) return 0;
   const int64_t per_block = chunk * esize / G;
-  const int64_t m = std::max<int64_t>(1, (per_block + kTwoShotPieceBytes - 1) / kTwoShotPieceBytes);
+  const int64_t piece_bytes = TwoShotPieceBytes();
+  const int64_t m = std::max<int64_t>(1, (per_block + piece_bytes - 1) / piece_bytes);
   const int64_t pieces = std::min<int64_t>(m * G, kMaxUnits / 2 / G * G);
   if (pieces < G || chunk / align < pieces) return 0;  // every block at least one piece of >= 1 atom
   base->ts_chunk = chunk;
   base->ts_pieces = pieces;
   base->ts_align = align;
+  base->ts_pull = TwoShotPullAlways() ? 1 : 0;
   base->os_elems = prog.total_elems();
   base->grid = G;
   return pieces;
@@ -1537,7 +1544,8 @@ std::string CheckEnvironment() {
   };
   int64_t v = 0;
   for (const char* name : {"JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_HOST_MIN_BYTES",
-                           "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_TWOSHOT_MIN_BYTES"})
+                           "JAX_BLINK_HOST_MAX_BYTES", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_TWOSHOT_MIN_BYTES",
+                           "JAX_BLINK_TWOSHOT_PIECE_BYTES"})
     if (EnvValue(name) != nullptr && !ParseByteCount(EnvValue(name), &v))
       bad(name, "a byte count such as 8388608, 512K, 16M or 1G");
   for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS"})
@@ -1548,6 +1556,8 @@ std::string CheckEnvironment() {
     bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
   if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
     bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
+  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE"); e != nullptr && strcasecmp(e, "auto") != 0 && strcasecmp(e, "pull") != 0)
+    bad("JAX_BLINK_TWOSHOT_MODE", "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
   return err;
 }
 

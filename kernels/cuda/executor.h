@@ -68,9 +68,10 @@ struct Options {
 constexpr int64_t kDefaultLLMaxBytes = 512 << 10;  // LL up to here: it beats the chunked one-shot
 constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: beyond, the trees are as fast
 // Two-shot all-reduce by remote writes (3+ GPUs, cuda/two_shot.cuh) from this size per rank; 0: off
-// (JAX_BLINK_TWOSHOT_MIN_BYTES overrides). Its pieces are about kTwoShotPieceBytes each.
+// (JAX_BLINK_TWOSHOT_MIN_BYTES overrides). Its pieces are about kTwoShotPieceBytes each
+// (JAX_BLINK_TWOSHOT_PIECE_BYTES overrides).
 constexpr int64_t kDefaultTwoShotMinBytes = 16 << 20;  // faster than the trees from here on 4 x H200 (NOTES, change 13)
-constexpr int64_t kTwoShotPieceBytes = 256 << 10;
+constexpr int64_t kTwoShotPieceBytes = 1 << 20;  // fewer flag round trips beat a shorter pipeline fill (NOTES, change 16)
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // small chunks fill the channel's pipeline sooner

@@ -363,11 +363,13 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   }
   const std::string where = "jax_blink (CUDA IPC, device " + std::to_string(device) + ", collective " +
                             std::to_string(comm_id) + "): ";
+  // A failed collective first: ReleaseFailed() leaves it without its peers' regions, and its
+  // message says why.
+  const std::string timed_out = c == nullptr ? std::string() : TimeoutMessage(*c);
+  if (!timed_out.empty()) return Fail(ffi::ErrorCode::kDeadlineExceeded, timed_out);
   if (c == nullptr || c->d_peers == nullptr)
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 where + "not set up in this process (the lowering's set-up did not run for this device)");
-  const std::string timed_out = TimeoutMessage(*c);
-  if (!timed_out.empty()) return Fail(ffi::ErrorCode::kDeadlineExceeded, timed_out);
   if (static_cast<int64_t>(x.size_bytes()) != c->bytes || out->size_bytes() != x.size_bytes())
     return Fail(ffi::ErrorCode::kInvalidArgument, where + "operand size differs from the set-up's");
   if (op < 0 || op > 2) return Fail(ffi::ErrorCode::kInvalidArgument, where + "op must be 0, 1 or 2");
@@ -537,6 +539,12 @@ std::string Open(int64_t comm_id, int32_t group, int32_t rank, int32_t peer, con
   } else {
     void* p = nullptr;
     cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e == cudaErrorAlreadyMapped) {  // seen where the peer freed its region and made a new one
+      cudaGetLastError();
+      return "cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s region (pid " + std::to_string(pid) +
+             ") refused: CUDA counts it as mapped here already, which happens after that process freed its "
+             "collective memory and allocated it again (a failure in that process); restart the job's processes";
+    }
     if (e != cudaSuccess)
       return CudaError(("cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s region (pid " +
                         std::to_string(pid) + ") refused; processes in separate containers or GPUs "
@@ -566,6 +574,27 @@ std::string CheckAll() {
     if (!e.empty()) all += (all.empty() ? "" : "\n") + e;
   }
   return all;
+}
+
+int ReleaseFailed() {
+  std::lock_guard<std::mutex> g(g_mu);
+  int released = 0;
+  for (auto& [key, c] : g_comms) {
+    if (c->err == nullptr || c->err->failed == 0 || c->mine == nullptr) continue;
+    DeviceGuard dg(c->device);
+    cudaDeviceSynchronize();  // the failed call's kernels have ended (each wait has its budget)
+    for (int p = 0; p < c->nranks; ++p)
+      if (c->opened_ipc[p]) cudaIpcCloseMemHandle(c->peers[p]);
+    c->opened_ipc.assign(c->nranks, 0);
+    c->peers.assign(c->nranks, nullptr);
+    c->opened = 0;
+    cudaFree(c->d_peers);
+    c->d_peers = nullptr;
+    cudaFree(c->mine);
+    c->mine = nullptr;
+    ++released;
+  }
+  return released;
 }
 
 void ReleaseAll() {

@@ -22,7 +22,8 @@
 //   Exit: waits for (C, q) from every peer (their final pieces landed in this rank's `out`).
 // Blocks run their pieces software-pipelined (A of piece i, B of i - 1, C of i - 2), so that
 // NVLink stays busy while other pieces reduce.
-// ## Pull mode (some rank's in == out: a peer's contribution would overwrite an operand)
+// ## Pull mode (some rank's in == out: a peer's contribution would overwrite an operand; or
+// JAX_BLINK_TWOSHOT_MODE=pull, which measures the remote reads against the remote writes)
 // B reads the peers' `in` in place instead (no A); C needs no (B, q) wait: region r of rank j is
 // written only by rank r, after r itself read j's `in` there. Exit as above, which also keeps every
 // peer's reads of this rank's `in` before this rank returns (they precede the peer's (C, q)).
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
       ok = get_pointers(p, sh, s, -1, 0);
       if (ok && sh.pin[s] == sh.pout[s]) alias = true;
     }
-    push_mode = !alias;
+    push_mode = !alias && p.ts_pull == 0;
   }
   __syncthreads();
   if (sh.fail) goto done;

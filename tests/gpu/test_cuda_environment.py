@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(_blink_cuda is None or not hasattr(_blink_cuda, 
 
 VARIABLES = ("JAX_BLINK_LL_BYTES", "JAX_BLINK_ONESHOT_BYTES", "JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_MIN_BYTES", "JAX_BLINK_HOST_MAX_BYTES",
              "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_SHARE",
-             "JAX_BLINK_HOST_ENGINE", "JAX_BLINK_TWOSHOT_MIN_BYTES")
+             "JAX_BLINK_HOST_ENGINE", "JAX_BLINK_TWOSHOT_MIN_BYTES", "JAX_BLINK_TWOSHOT_PIECE_BYTES",
+             "JAX_BLINK_TWOSHOT_MODE")
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +44,8 @@ def test_good_values_pass(monkeypatch):
                         ("JAX_BLINK_HOST_MIN_BYTES", "256M"), ("JAX_BLINK_HOST_MAX_BYTES", "1G"),
                         ("JAX_BLINK_HOST_CHUNK_BYTES", "16M"), ("JAX_BLINK_HOST_BLOCKS", "16"),
                         ("JAX_BLINK_HOST_SHARE", "0.09"), ("JAX_BLINK_HOST_ENGINE", "CE"),
-                        ("JAX_BLINK_TWOSHOT_MIN_BYTES", "16M")]:
+                        ("JAX_BLINK_TWOSHOT_MIN_BYTES", "16M"), ("JAX_BLINK_TWOSHOT_PIECE_BYTES", "64K"),
+                        ("JAX_BLINK_TWOSHOT_MODE", "Pull")]:
         monkeypatch.setenv(name, value)
     _blink_cuda.check_environment()
     monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "")  # empty counts as unset
@@ -65,6 +67,8 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_CUDA_BLOCKS", " 4", "from 0 to 65536"),
     ("JAX_BLINK_HOST_ENGINE", "copy", "sm .* or ce"),
     ("JAX_BLINK_TWOSHOT_MIN_BYTES", "big", "byte count"),
+    ("JAX_BLINK_TWOSHOT_PIECE_BYTES", "1.5M", "byte count"),
+    ("JAX_BLINK_TWOSHOT_MODE", "push", "auto .* or pull"),
 ])
 def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):
     monkeypatch.setenv(name, value)

@@ -114,3 +114,32 @@ def test_two_shot_stays_off_below_its_size(monkeypatch):
     got, want = _run(3, 1 << 16, "float32", 0, False, seed=7)
     assert _twoshot_sites() == before
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("env", [{"JAX_BLINK_TWOSHOT_MODE": "pull"}, {"JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
+                                 {"JAX_BLINK_TWOSHOT_PIECE_BYTES": "4M"},
+                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"}],
+                         ids=["pull", "pieces16K", "pieces4M", "pull-pieces16K"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_shot_knobs_keep_the_result(env, dtype, monkeypatch):
+    """JAX_BLINK_TWOSHOT_MODE=pull (remote reads in every call) and the piece size change how the
+    bytes move, never the result: every rank's bits equal the default kernel's (same terms, same
+    order), within one rounding of the exact sum (numpy, float64: the kernel sums in float32 and
+    rounds once; psum's bfloat16 ring rounds at every hop, so it is no reference at this size)."""
+    n = min(4, len(_gpus()))
+    _register()
+    monkeypatch.setenv("JAX_BLINK_TWOSHOT_MIN_BYTES", "64K")
+    n_per = (3 << 20) + 9 if dtype == "float32" else (5 << 19) + 3
+    default, _ = _run(n, n_per, dtype, 0, False, seed=11)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = _twoshot_sites()
+    got, _ = _run(n, n_per, dtype, 0, False, seed=11)
+    _blink_cuda.check()
+    assert _twoshot_sites() - before == n, "every rank's site should run the two-shot kernel"
+    assert got.tobytes() == default.tobytes()
+    rng = np.random.default_rng(11)  # _run's operand, again
+    x = np.asarray(jnp.asarray(rng.standard_normal(n * n_per), dtype=dtype)).astype(np.float64)
+    exact = np.tile(x.reshape(n, n_per).sum(axis=0), n)
+    rtol = 2.0 ** -8 if dtype == "bfloat16" else 1e-6  # one rounding of the result (bfloat16: 8 bits)
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=rtol, atol=1e-5)

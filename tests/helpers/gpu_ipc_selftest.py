@@ -158,7 +158,9 @@ def child(pid: int, port: int, distinct: bool, nproc: int = 2) -> dict:
                         g = jax.jit(jax.shard_map(_ours(what, kw), mesh=mesh, in_specs=spec,
                                                   out_specs=spec)).lower(x).compile()
                     want = np.asarray(g(x).addressable_shards[0].data)
-                    tol = {"bfloat16": 1e-2, "float16": 1e-3}.get(dname, 1e-6)
+                    # NCCL's ring rounds every partial sum to the dtype (nproc - 1 roundings of partial
+                    # sums up to about 4 in size); ours sums in float32 and rounds once
+                    tol = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}.get(dname, 2.5e-7) * 4 * (nproc - 1)
                     if got.shape != want.shape or not np.allclose(got.astype(np.float64), want.astype(np.float64),
                                                                   rtol=tol, atol=tol):
                         failures.append(f"{name}: differs from lax")
@@ -214,8 +216,10 @@ def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
         if lax_too:
             row["lax_us"] = us(times[1])
             row["speedup"] = round(statistics.median(times[1]) / statistics.median(times[0]), 3)
-            row["same"] = bool(np.allclose(np.asarray(ours(x).addressable_shards[0].data),
-                                           np.asarray(lax_(x).addressable_shards[0].data), rtol=1e-5, atol=1e-5))
+            # the chain doubles the values each call; elements that cancel carry the sums' rounding
+            # relative to the largest value, not to themselves
+            a, b = np.asarray(ours(x).addressable_shards[0].data), np.asarray(lax_(x).addressable_shards[0].data)
+            row["same"] = bool(np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)))
         if profile and nbytes in (1 << 20, 1 << 24):
             row["profile"] = _kernel_profile(ours, x)
         rows.append(row)

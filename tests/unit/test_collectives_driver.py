@@ -65,3 +65,16 @@ def test_the_driver_fails_a_wrong_result_against_either_reference(tmp_path, monk
     bad = r["rows"][0]["runs"][0]["failures"]
     assert len(bad) == 9 and all(any("max |ours - lax|" in p for p in f["problems"]) for f in bad), bad
 
+
+
+def test_collectives_keeps_only_the_named_ones(tmp_path):
+    out = tmp_path / "d.json"
+    rc = driver.main(["--ranks", "3", "--sizes", "4K,64K", "--dtypes", "float32", "--calls", "1",
+                      "--reference", "host", "--collectives", "reduce_scatter", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["ok"]
+    cases = [c for row in r["rows"] for c in row["cases"]]
+    # the smallest size holds reduce_scatter tiled and untiled, the other size the tiled one
+    assert len(cases) == 3 and all(c.startswith("reduce_scatter") for c in cases), cases
+    with pytest.raises(SystemExit):
+        driver.main(["--collectives", "reduce_scatter,psum"])

@@ -1,0 +1,180 @@
+"""The two-shot all-reduce's knobs on 3+ GPUs of one process: every setting and psum taking turns.
+
+    python benchmarks/twoshot_sweep.py [--sizes 64M,256M,1G] [--config NAME:VAR=VALUE,...]... \
+        [--chain 20] [--runs 8] [--out DIR]
+
+One process, one operand per size (float32, fresh random data). Each configuration is the
+executor's all-reduce (forced, ``dispatch="blink"``) whose call sites are set up while its
+variables are set (JAX_BLINK_TWOSHOT_PIECE_BYTES, JAX_BLINK_TWOSHOT_MODE, JAX_BLINK_CUDA_BLOCKS,
+JAX_BLINK_TWOSHOT_MIN_BYTES: the executor reads them at a site's set-up, so each configuration's
+sites keep their own); the two-shot kernel is on from 1 MiB unless a configuration says otherwise.
+Every configuration's first result is checked against psum's on the devices (largest difference
+relative to psum's largest value) and its kernel named from the executor's new sites. Then psum and
+every configuration run ``--chain`` chained calls per program, taking turns round by round
+(jax_blink.tools.timing.interleaved_times), so a drift of the machine falls on all alike. The table:
+per size and configuration the measured time per call (median), the ratio psum / ours and our bus
+bandwidth. Without --config: the default kernel, the trees (two-shot off), pieces of 64 KiB and
+256 KiB, pull mode, and half the grid.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+DEFAULT_CONFIGS = (
+    "default:",
+    "trees:JAX_BLINK_TWOSHOT_MIN_BYTES=0",
+    "pieces64K:JAX_BLINK_TWOSHOT_PIECE_BYTES=64K",
+    "pieces256K:JAX_BLINK_TWOSHOT_PIECE_BYTES=256K",
+    "pull:JAX_BLINK_TWOSHOT_MODE=pull",
+    "pull-pieces64K:JAX_BLINK_TWOSHOT_MODE=pull,JAX_BLINK_TWOSHOT_PIECE_BYTES=64K",
+    "half-grid:JAX_BLINK_CUDA_BLOCKS=66",
+)
+
+
+def parse_config(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:VAR=VALUE,VAR=VALUE`` (an empty list: the defaults) -> (name, variables)."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+        raise ValueError(f"--config {text!r}: write NAME:VAR=VALUE,... (e.g. pull:JAX_BLINK_TWOSHOT_MODE=pull)")
+    env = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var.startswith("JAX_BLINK_"):
+            raise ValueError(f"--config {text!r}: {item!r} is not JAX_BLINK_NAME=VALUE")
+        env[var] = value
+    return name, env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """``env`` set in os.environ inside the block, the previous values back after it."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per size and configuration, ours and psum's time, psum / ours, our busbw, the check."""
+    lines = ["| float32 per rank x ranks | configuration | kernel (new sites) | ours (us, measured) | psum (us, measured) "
+             "| speedup (psum / ours) | ours busbw (GB/s) | spread ours / psum | largest rel. difference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {_fmt(r['bytes_per_rank'])} x {r['n']} | {r['config']} | {r['kernels']} | {r['time_us']:.1f} "
+                     f"| {r['psum_time_us']:.1f} | {r['speedup']:.3f} | {r['busbw']:.1f} "
+                     f"| {100 * r['spread']:.0f}% / {100 * r['psum_spread']:.0f}% | {r['rel_diff']:.1e} |")
+    return "\n".join(lines)
+
+
+def _kernels(module, before: dict) -> dict:
+    now = {}
+    for c in module.comms():
+        for mode, count in c["sites_by_mode"].items():
+            now[mode] = now.get(mode, 0) + count
+    return {m: c - before.get(m, 0) for m, c in now.items() if c - before.get(m, 0)}
+
+
+def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_blink.lowering import backends
+    from jax_blink.tools.timing import COLLECTIVES, chained, interleaved_times, spread
+
+    devices = jax.devices()
+    n = len(devices)
+    if n < 3 or devices[0].platform != "gpu" or not backends.register("gpu"):
+        raise SystemExit(f"twoshot_sweep.py: needs 3 or more GPUs and jax_blink's CUDA executor (here: {n} x "
+                         f"{devices[0].platform})")
+    module = backends.module("gpu")
+    mesh = jax.make_mesh((n,), ("x",), devices=devices)
+    coll = COLLECTIVES["allreduce"]
+    psum_fn = chained(coll.chain(coll.ref), mesh, "x", k)
+    rows = []
+    rng = np.random.default_rng(0)
+    for nbytes in sizes:
+        count = nbytes // 4
+        x = jax.device_put(jnp.asarray(rng.standard_normal(n * count, dtype=np.float32)),
+                           NamedSharding(mesh, P("x")))
+        ref = psum_fn(x)
+        scale = float(jnp.max(jnp.abs(ref)))
+        fns, meta = [], []
+        for name, env in configs:
+            fn = chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink")
+            before = _kernels(module, {})
+            with environment({"JAX_BLINK_TWOSHOT_MIN_BYTES": "1M", **env}):
+                got = fn(x)  # the sites are set up here, with this configuration's variables
+                got.block_until_ready()
+            module.check()
+            rel = float(jnp.max(jnp.abs(got - ref))) / scale
+            del got
+            fns.append(fn)
+            meta.append((name, env, _kernels(module, before), rel))
+        t0 = time.time()
+        timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
+        t_psum = statistics.median(timed[0]) / k
+        for (name, env, kernels, rel), times in zip(meta, timed[1:]):
+            t = statistics.median(times) / k
+            rows.append(dict(bytes_per_rank=nbytes, n=n, config=name, env=env,
+                             kernels=", ".join(f"{m} {c}" for m, c in sorted(kernels.items())),
+                             time_us=t * 1e6, psum_time_us=t_psum * 1e6, speedup=t_psum / t,
+                             busbw=nbytes * 2 * (n - 1) / n / t / 1e9, spread=spread(times),
+                             psum_spread=spread(timed[0]), rel_diff=rel, runs=len(times)))
+            print(f"{_fmt(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, "
+                  f"{t_psum / t:.3f}x, {rows[-1]['busbw']:.1f} GB/s busbw, kernels {rows[-1]['kernels']}, "
+                  f"rel. difference {rel:.1e}", flush=True)
+        print(f"# {_fmt(nbytes)}: {len(timed[0])} rounds in {time.time() - t0:.0f} s", flush=True)
+        del x, ref
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64M,256M,1G", help="bytes per rank, comma-separated")
+    ap.add_argument("--config", action="append", default=None, help="NAME:VAR=VALUE,... (repeatable)")
+    ap.add_argument("--chain", type=int, default=20, help="chained calls per program")
+    ap.add_argument("--runs", type=int, default=8, help="rounds at least (more until 0.5 s per variant)")
+    ap.add_argument("--out", default="twoshot-sweep", help="folder for sweep.md and sweep.json")
+    args = ap.parse_args(argv)
+    from jax_blink.options.settings import parse_byte_count
+
+    try:
+        configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
+        sizes = [parse_byte_count(s) for s in args.sizes.split(",") if s]
+    except ValueError as e:
+        ap.error(str(e))
+    rows = run(sizes, configs, args.chain, args.runs)
+    import jax
+
+    head = (f"# benchmarks/twoshot_sweep.py, {len(jax.devices())} x {jax.devices()[0].device_kind}, jax "
+            f"{jax.__version__}, {time.strftime('%Y-%m-%d')}, float32, {args.chain} chained calls, measured")
+    text = head + "\n\n" + table(rows)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sweep.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0 if all(r["rel_diff"] < 1e-5 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

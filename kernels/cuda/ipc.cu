@@ -576,25 +576,31 @@ std::string CheckAll() {
   return all;
 }
 
-int ReleaseFailed() {
+std::string ReleaseFailed() {
   std::lock_guard<std::mutex> g(g_mu);
-  int released = 0;
   for (auto& [key, c] : g_comms) {
     if (c->err == nullptr || c->err->failed == 0 || c->mine == nullptr) continue;
     DeviceGuard dg(c->device);
-    cudaDeviceSynchronize();  // the failed call's kernels have ended (each wait has its budget)
-    for (int p = 0; p < c->nranks; ++p)
-      if (c->opened_ipc[p]) cudaIpcCloseMemHandle(c->peers[p]);
-    c->opened_ipc.assign(c->nranks, 0);
+    const std::string where = "jax_blink (CUDA IPC, device " + std::to_string(c->device) + ", collective " +
+                              std::to_string(c->comm_id) + "): releasing the failed collective: ";
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();  // its kernels have ended (each wait has its budget)
+    // A close that CUDA refuses (the peer's process gone, or its memory freed first) is not an
+    // error of the reset: the collective stays failed either way, and the other steps still run.
+    for (int p = 0; e == cudaSuccess && p < c->nranks; ++p)
+      if (c->opened_ipc[p]) {
+        if (cudaIpcCloseMemHandle(c->peers[p]) != cudaSuccess) cudaGetLastError();
+        c->opened_ipc[p] = 0;
+      }
+    if (e == cudaSuccess) e = cudaFree(c->d_peers);
+    if (e == cudaSuccess) c->d_peers = nullptr;
+    if (e == cudaSuccess) e = cudaFree(c->mine);
+    if (e != cudaSuccess) return CudaError(where.c_str(), e);
+    c->mine = nullptr;
     c->peers.assign(c->nranks, nullptr);
     c->opened = 0;
-    cudaFree(c->d_peers);
-    c->d_peers = nullptr;
-    cudaFree(c->mine);
-    c->mine = nullptr;
-    ++released;
   }
-  return released;
+  return {};
 }
 
 void ReleaseAll() {

@@ -62,8 +62,9 @@ void ReleaseAll();
 
 // For every collective that failed (a wait ran past its budget): closes its handles of the peers'
 // regions and frees its own, keeping its error record, so that it still fails with its message
-// and holds no memory. Returns how many collectives it released; none may be running. (A peer
-// that freed and re-created its region is still refused afterwards on 4 x H200: see Open.)
-int ReleaseFailed();
+// and holds no memory. Returns an error message where CUDA refuses ("" if none); none may be
+// running. (A peer that freed and re-created its region is still refused afterwards on 4 x H200:
+// see Open.)
+std::string ReleaseFailed();
 
 }  // namespace jax_blink::cuda_ipc

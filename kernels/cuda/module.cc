@@ -422,7 +422,8 @@ NB_MODULE(_blink_cuda, m) {
         nb::gil_scoped_release nogil;
         std::string err = jbc::ResetAll();
         if (!err.empty()) throw std::runtime_error(err);
-        jax_blink::cuda_ipc::ReleaseFailed();  // a failed IPC collective stays failed and holds no memory
+        err = jax_blink::cuda_ipc::ReleaseFailed();  // a failed IPC collective stays failed and holds no memory
+        if (!err.empty()) throw std::runtime_error(err);
       },
       "Wait for every GPU with collective state, then clear every error record and restart every "
       "collective's call count on every rank; a CUDA IPC collective that failed keeps failing, and "

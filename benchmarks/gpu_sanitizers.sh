@@ -11,6 +11,9 @@
 #             one run per rank count; racecheck and synccheck 4 ranks up to 16 MiB)
 #   ipc4      memcheck, racecheck, synccheck over the IPC self-test of 4 processes (--target-processes all)
 #   multi     driver and ipc4
+#   rs3       the open memcheck finding (benchmarks/NOTES.md): reduce-scatter on 3 GPUs, bfloat16,
+#             64 MiB per rank, 4 calls: without the tool under XLA's platform allocator and under
+#             its pool (every result checked), then memcheck under each allocator
 # Only jax_blink's kernels are checked by default (SAN_KERNELS="--kernel-name kns=jax_blink": they
 # live in namespace jax_blink; XLA's and NCCL's are left alone); SAN_KERNELS= checks every kernel.
 # Every run is bounded (timeout, then SIGKILL 5 s later; the IPC self-test's children are killed by
@@ -21,7 +24,7 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 SAN_STEPS=${SAN_STEPS:-"build selftest ipc2"}
-KNOWN=" build selftest ipc2 driver ipc4 multi "
+KNOWN=" build selftest ipc2 driver ipc4 multi rs3 "
 for step in $SAN_STEPS; do  # a typo must not cost a GPU call
   [[ "$KNOWN" == *" $step "* ]] || { echo "gpu_sanitizers.sh: unknown step '$step'; steps:$KNOWN" >&2; exit 2; }
 done
@@ -83,6 +86,17 @@ if has driver; then
     rc=$?
     summary "$tool driver ($args)" "$OUT/san-driver-$tool-$ranks.log" "$rc" "$(( $(date +%s)-t0 ))"
     grep -h "^driver:\|FAILED\|error:" "$OUT/san-driver-$tool-$ranks.log" | head -4 | sed 's/^/  /' | tee -a $S
+  done
+fi
+if has rs3; then
+  RS3="benchmarks/gpu_collectives_driver.py --reference host --ranks 3 --sizes 64M --dtypes bfloat16 --calls 4 --collectives reduce_scatter"
+  for alloc in platform default; do
+    a=""; [ $alloc = platform ] && a="XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false"
+    t0=$(date +%s); env $a timeout -k 5 120 python3 $RS3 > "$OUT/rs3-$alloc.log" 2>&1
+    echo "rs3 without the tool, $alloc allocator: rc=$? $(( $(date +%s)-t0 ))s: $(grep -h '^driver:' "$OUT/rs3-$alloc.log")" | tee -a $S
+    t0=$(date +%s); env $a JAX_BLINK_TIMEOUT_S=30 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout -k 5 120 \
+      compute-sanitizer --tool memcheck $SAN_KERNELS python3 $RS3 > "$OUT/san-rs3-$alloc.log" 2>&1
+    rc=$?; summary "memcheck rs3 ($alloc allocator)" "$OUT/san-rs3-$alloc.log" "$rc" "$(( $(date +%s)-t0 ))"
   done
 fi
 if has ipc4; then

@@ -8,6 +8,8 @@ from these pieces:
   and an independent lax expression (``psum``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
   a masked ``psum`` for broadcast, ``psum`` kept on the root for reduce);
 - :func:`programs`: one jitted ``shard_map`` program of several cases for ours and one for lax;
+- :func:`environment`: variables set only inside a block (the executor reads some at a call
+  site's set-up, so a site keeps what was set when it first ran);
 - :func:`compare`: per rank, on that rank's device (no collective), the largest difference from
   lax, NaNs that only one side has and two position-weighted sums of the result's bits, so that
   outputs of 64 MiB per rank are checked without copying them to the host; ranks whose results
@@ -18,8 +20,10 @@ reduce_scatter) or the result (all_gather: the operand is nbytes / n), as nccl-t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_blink
 
 AXIS = "x"
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str] | None):
+    """``env`` set in ``os.environ`` inside the block, the earlier values (or their absence) back
+    after it; None or {} sets nothing."""
+    env = env or {}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 #: Collectives whose result is the same on every rank (checked bit for bit between ranks).
 REPLICATED = ("all_reduce", "broadcast", "all_gather")

@@ -123,18 +123,8 @@ def run_program(mesh, cases, rng, calls: int, poison: bool, gpu_mod, env: dict |
                 args = [cc.put(mesh, h) for h in hosts]
             if poison:
                 cc.poison_device_memory(list(mesh.devices.flat), result_bytes)
-            saved = {}
-            if k == 0 and env:
-                saved = {name: os.environ.get(name) for name in env}
-                os.environ.update(env)
-            try:
+            with cc.environment(env if k == 0 else None):  # read at the sites' set-up, in the first call
                 got = jax.block_until_ready(compiled(*args))
-            finally:
-                for name, v in saved.items():
-                    if v is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = v
             jax_blink.check()
             if k == 0:
                 after = _sites_by_mode(gpu_mod)

@@ -272,7 +272,6 @@ class Job:
         return f"shm_cleanup(): unlinked {list(backends.module('cpu').shm_cleanup())}"
 
 
-
 def run_case(job: Job, case: str, seed: int) -> dict:
     """One case in this process; returns its report (victim or survivor view)."""
     import numpy as np

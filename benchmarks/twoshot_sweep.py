@@ -19,12 +19,15 @@ bandwidth. Without --config: the default kernel, the trees (two-shot off), piece
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from collective_checks import environment  # noqa: E402  (benchmarks/ on the path first)
 
 DEFAULT_CONFIGS = (
     "default:",
@@ -49,21 +52,6 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"--config {text!r}: {item!r} is not JAX_BLINK_NAME=VALUE")
         env[var] = value
     return name, env
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    """``env`` set in os.environ inside the block, the previous values back after it."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _fmt(nbytes: int) -> str:
@@ -147,21 +135,29 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
 
 
 def main(argv=None) -> int:
+    from jax_blink.tools import arguments as cli
+
+    def sizes_list(text: str) -> list[int]:
+        sizes = [cli.byte_count(s) for s in text.split(",") if s.strip()]
+        if not sizes or any(b < 1 << 20 or b % 16 for b in sizes):
+            raise argparse.ArgumentTypeError(f"got {text!r}; takes sizes of at least 1M and a multiple of 16 bytes, "
+                                             "comma-separated (the sweep switches the two-shot kernel on from 1M)")
+        return sizes
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="64M,256M,1G", help="bytes per rank, comma-separated")
+
+    ap.add_argument("--sizes", default="64M,256M,1G", type=sizes_list, help="bytes per rank, comma-separated")
     ap.add_argument("--config", action="append", default=None, help="NAME:VAR=VALUE,... (repeatable)")
-    ap.add_argument("--chain", type=int, default=20, help="chained calls per program")
-    ap.add_argument("--runs", type=int, default=8, help="rounds at least (more until 0.5 s per variant)")
+    ap.add_argument("--chain", type=cli.whole_number(1, 1000), default=20, help="chained calls per program")
+    ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=8,
+                    help="rounds at least (more until 0.5 s per variant)")
     ap.add_argument("--out", default="twoshot-sweep", help="folder for sweep.md and sweep.json")
     args = ap.parse_args(argv)
-    from jax_blink.options.settings import parse_byte_count
-
     try:
         configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
-        sizes = [parse_byte_count(s) for s in args.sizes.split(",") if s]
     except ValueError as e:
         ap.error(str(e))
-    rows = run(sizes, configs, args.chain, args.runs)
+    rows = run(args.sizes, configs, args.chain, args.runs)
     import jax
 
     head = (f"# benchmarks/twoshot_sweep.py, {len(jax.devices())} x {jax.devices()[0].device_kind}, jax "

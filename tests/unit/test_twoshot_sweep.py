@@ -49,7 +49,16 @@ def test_table_says_what_each_number_is():
 
 def test_refuses_cpu_devices_with_what_it_needs():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    r = subprocess.run([sys.executable, str(BENCHMARKS / "twoshot_sweep.py"), "--sizes", "64K"],
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "twoshot_sweep.py"), "--sizes", "1M"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert "needs 3 or more GPUs" in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,named", [(["--sizes", "64K"], "--sizes"), (["--sizes", "1.5M"], "--sizes"),
+                                        (["--chain", "0"], "--chain"), (["--runs", "x"], "--runs"),
+                                        (["--config", "bad"], "--config")])
+def test_bad_values_are_usage_errors_naming_the_option(args, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.main(args)
+    assert e.value.code == 2 and named in capsys.readouterr().err

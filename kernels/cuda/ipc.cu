@@ -58,6 +58,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -106,6 +107,8 @@ struct Comm {
   std::vector<char*> peers;      // every rank's region, as this process addresses it
   std::vector<char> opened_ipc;  // which peers[] came from cudaIpcOpenMemHandle
   std::vector<int64_t> pids;     // every rank's process id (from its payload; 0 unknown)
+  std::vector<uint64_t> addrs;   // every rank's region address in its own process (from its payload)
+  std::string stale;             // why this collective can no longer run (a peer's region replaced), or empty
   int opened = 0;
   char** d_peers = nullptr;      // peers[] on the device, once every peer is open
   uint32_t seq = 0;
@@ -116,6 +119,9 @@ struct Comm {
 std::mutex g_mu;
 std::map<std::tuple<int64_t, int32_t, int32_t>, std::unique_ptr<Comm>> g_comms;  // (comm, group, rank)
 std::map<std::pair<int64_t, int>, Comm*> g_by_device;                           // (comm, device)
+// Regions this process exported and freed, as (device, address): a peer that still maps one (its
+// close refused, or never made) cannot map a new region at that address ("already mapped").
+std::set<std::pair<int, uintptr_t>> g_released;
 
 // Slots of a receiving rank's inbox per parity (the same in every receiving rank, so that a
 // pusher computes a peer's slot address from its own layout).
@@ -367,6 +373,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   // message says why.
   const std::string timed_out = c == nullptr ? std::string() : TimeoutMessage(*c);
   if (!timed_out.empty()) return Fail(ffi::ErrorCode::kDeadlineExceeded, timed_out);
+  if (c != nullptr && !c->stale.empty()) return Fail(ffi::ErrorCode::kFailedPrecondition, where + c->stale);
   if (c == nullptr || c->d_peers == nullptr)
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 where + "not set up in this process (the lowering's set-up did not run for this device)");
@@ -442,6 +449,24 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   return ffi::Error::Success();
 }
 
+// cudaMalloc of an IPC region at an address this process has not exported before: one it exported
+// and freed may still be mapped by a peer whose close CUDA refused (that peer could never map the
+// new region). The refused addresses are held while allocating, then freed.
+cudaError_t AllocateFreshRegion(int device, size_t size, char** out) {
+  std::vector<char*> held;
+  cudaError_t e = cudaSuccess;
+  char* p = nullptr;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    e = cudaMalloc(&p, size);
+    if (e != cudaSuccess || !g_released.count({device, reinterpret_cast<uintptr_t>(p)})) break;
+    held.push_back(p);
+  }
+  if (e == cudaSuccess && !held.empty() && held.back() == p) held.pop_back();  // 8 refused: the last one serves
+  for (char* h : held) cudaFree(h);
+  if (e == cudaSuccess) *out = p;
+  return e;
+}
+
 }  // namespace
 
 std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks, int64_t bytes, int device,
@@ -488,7 +513,7 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   const size_t slots = Receives(kind, rank, root) ? static_cast<size_t>(InboxSlots(kind, nranks)) : 0;
   c->size = c->off_inbox + 2 * slots * c->slot;
   DeviceGuard dg(device);
-  cudaError_t e = cudaMalloc(&c->mine, c->size);
+  cudaError_t e = AllocateFreshRegion(device, c->size, &c->mine);
   if (e != cudaSuccess) return CudaError("cudaMalloc of the IPC region", e);
   e = cudaMemset(c->mine, 0, c->size);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
@@ -508,6 +533,7 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   c->peers.assign(nranks, nullptr);
   c->opened_ipc.assign(nranks, 0);
   c->pids.assign(nranks, 0);
+  c->addrs.assign(nranks, 0);
   c->pids[rank] = getpid();
   c->peers[rank] = c->mine;
   payload->resize(sizeof(h) + 16);
@@ -518,6 +544,31 @@ std::string Create(int64_t comm_id, int32_t group, int32_t rank, int32_t nranks,
   g_by_device[{comm_id, device}] = c.get();
   g_comms[key] = std::move(c);
   return {};
+}
+
+// Closes this process's mappings of the region that process `pid` had at `addr` (in that process),
+// held by collectives other than `keep`: CUDA refuses to map a region again while an older mapping
+// of the same address in that process is open, which happens once that process has freed its
+// collective memory (a failure there) and allocated it anew. Such a collective can no longer run:
+// it is marked stale, with the reason its calls give. Returns how many mappings were closed.
+int CloseStaleMappings(const Comm* keep, int device, int64_t pid, uint64_t addr) {
+  int closed = 0;
+  for (auto& [key, o] : g_comms) {
+    if (o.get() == keep || o->device != device) continue;
+    for (int q = 0; q < o->nranks; ++q) {
+      if (!o->opened_ipc[q] || o->pids[q] != pid || o->addrs[q] != addr) continue;
+      cudaDeviceSynchronize();  // its kernels have ended (each wait has its budget)
+      cudaGetLastError();
+      if (cudaIpcCloseMemHandle(o->peers[q]) != cudaSuccess) cudaGetLastError();
+      o->opened_ipc[q] = 0;
+      o->stale = RankName(*o, q) + "'s process (pid " + std::to_string(pid) +
+                 ") freed its collective memory and made new memory at the same address, so its old region is "
+                 "closed here; this collective cannot run again: call jax_blink.reset() and run the program "
+                 "again (a new collective is set up)";
+      ++closed;
+    }
+  }
+  return closed;
 }
 
 std::string Open(int64_t comm_id, int32_t group, int32_t rank, int32_t peer, const std::vector<uint8_t>& payload) {
@@ -533,18 +584,25 @@ std::string Open(int64_t comm_id, int32_t group, int32_t rank, int32_t peer, con
   std::memcpy(&pid, payload.data() + sizeof(h), 8);
   std::memcpy(&addr, payload.data() + sizeof(h) + 8, 8);
   c.pids[peer] = static_cast<int64_t>(pid);
+  c.addrs[peer] = addr;
   DeviceGuard dg(c.device);
   if (pid == static_cast<uint64_t>(getpid())) {
     c.peers[peer] = reinterpret_cast<char*>(addr);  // this process's own memory (peer access as XLA set it)
   } else {
     void* p = nullptr;
     cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    if (e == cudaErrorAlreadyMapped) {  // seen where the peer freed its region and made a new one
+    if (e == cudaErrorAlreadyMapped) {
       cudaGetLastError();
+      if (CloseStaleMappings(&c, c.device, static_cast<int64_t>(pid), addr) > 0) {
+        e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) cudaGetLastError();
+      }
+    }
+    if (e == cudaErrorAlreadyMapped)
       return "cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s region (pid " + std::to_string(pid) +
              ") refused: CUDA counts it as mapped here already, which happens after that process freed its "
-             "collective memory and allocated it again (a failure in that process); restart the job's processes";
-    }
+             "collective memory and allocated it again (a failure in that process) while this process still "
+             "maps the old region; restart the job's processes";
     if (e != cudaSuccess)
       return CudaError(("cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s region (pid " +
                         std::to_string(pid) + ") refused; processes in separate containers or GPUs "
@@ -579,7 +637,7 @@ std::string CheckAll() {
 std::string ReleaseFailed() {
   std::lock_guard<std::mutex> g(g_mu);
   for (auto& [key, c] : g_comms) {
-    if (c->err == nullptr || c->err->failed == 0 || c->mine == nullptr) continue;
+    if (c->mine == nullptr || (c->stale.empty() && (c->err == nullptr || c->err->failed == 0))) continue;
     DeviceGuard dg(c->device);
     const std::string where = "jax_blink (CUDA IPC, device " + std::to_string(c->device) + ", collective " +
                               std::to_string(c->comm_id) + "): releasing the failed collective: ";
@@ -596,6 +654,7 @@ std::string ReleaseFailed() {
     if (e == cudaSuccess) c->d_peers = nullptr;
     if (e == cudaSuccess) e = cudaFree(c->mine);
     if (e != cudaSuccess) return CudaError(where.c_str(), e);
+    g_released.insert({c->device, reinterpret_cast<uintptr_t>(c->mine)});
     c->mine = nullptr;
     c->peers.assign(c->nranks, nullptr);
     c->opened = 0;
@@ -610,6 +669,7 @@ void ReleaseAll() {
     for (int p = 0; p < c->nranks; ++p)
       if (c->opened_ipc[p]) cudaIpcCloseMemHandle(c->peers[p]);
     cudaFree(c->d_peers);
+    if (c->mine != nullptr) g_released.insert({c->device, reinterpret_cast<uintptr_t>(c->mine)});
     cudaFree(c->mine);
     cudaFreeHost(const_cast<ErrRec*>(c->err));
   }

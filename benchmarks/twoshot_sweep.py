@@ -5,16 +5,16 @@
 
 One process, one operand per size (float32, fresh random data). Each configuration is the
 executor's all-reduce (forced, ``dispatch="blink"``) whose call sites are set up while its
-variables are set (JAX_BLINK_TWOSHOT_PIECE_BYTES, JAX_BLINK_TWOSHOT_MODE, JAX_BLINK_CUDA_BLOCKS,
-JAX_BLINK_TWOSHOT_MIN_BYTES: the executor reads them at a site's set-up, so each configuration's
-sites keep their own); the two-shot kernel is on from 1 MiB unless a configuration says otherwise.
+variables are set (JAX_BLINK_TWOSHOT_PIECE_BYTES, JAX_BLINK_TWOSHOT_MODE,
+JAX_BLINK_TWOSHOT_REDUCERS, JAX_BLINK_CUDA_BLOCKS, JAX_BLINK_TWOSHOT_MIN_BYTES: the executor reads
+them at a site's set-up, so each configuration's sites keep their own); the two-shot kernel is on from 1 MiB unless a configuration says otherwise.
 Every configuration's first result is checked against psum's on the devices (largest difference
 relative to psum's largest value) and its kernel named from the executor's new sites. Then psum and
 every configuration run ``--chain`` chained calls per program, taking turns round by round
 (jax_blink.tools.timing.interleaved_times), so a drift of the machine falls on all alike. The table:
 per size and configuration the measured time per call (median), the ratio psum / ours and our bus
-bandwidth. Without --config: the default kernel, the trees (two-shot off), pieces of 64 KiB and
-256 KiB, pull mode, and half the grid.
+bandwidth. Without --config: the default kernel, the trees (two-shot off), 0, 8, 16 and 32 blocks
+that only reduce (JAX_BLINK_TWOSHOT_REDUCERS), and 16 of them with pieces of 256 KiB and of 4 MiB.
 """
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ from collective_checks import environment  # noqa: E402  (benchmarks/ on the pat
 DEFAULT_CONFIGS = (
     "default:",
     "trees:JAX_BLINK_TWOSHOT_MIN_BYTES=0",
-    "pieces64K:JAX_BLINK_TWOSHOT_PIECE_BYTES=64K",
-    "pieces256K:JAX_BLINK_TWOSHOT_PIECE_BYTES=256K",
-    "pull:JAX_BLINK_TWOSHOT_MODE=pull",
-    "pull-pieces64K:JAX_BLINK_TWOSHOT_MODE=pull,JAX_BLINK_TWOSHOT_PIECE_BYTES=64K",
-    "half-grid:JAX_BLINK_CUDA_BLOCKS=66",
+    "reducers0:JAX_BLINK_TWOSHOT_REDUCERS=0",
+    "reducers8:JAX_BLINK_TWOSHOT_REDUCERS=8",
+    "reducers16:JAX_BLINK_TWOSHOT_REDUCERS=16",
+    "reducers32:JAX_BLINK_TWOSHOT_REDUCERS=32",
+    "reducers16-pieces256K:JAX_BLINK_TWOSHOT_REDUCERS=16,JAX_BLINK_TWOSHOT_PIECE_BYTES=256K",
+    "reducers16-pieces4M:JAX_BLINK_TWOSHOT_REDUCERS=16,JAX_BLINK_TWOSHOT_PIECE_BYTES=4M",
 )
 
 

@@ -262,6 +262,7 @@ _ENV_ELSEWHERE = (
     "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_HOST_CHUNK_BYTES", "JAX_BLINK_HOST_ENGINE",
     "JAX_BLINK_TWOSHOT_MIN_BYTES",  # kernels/cuda/executor.cu: the two-shot all-reduce on 3+ GPUs
     "JAX_BLINK_TWOSHOT_PIECE_BYTES", "JAX_BLINK_TWOSHOT_MODE",  # its pieces, and remote reads or writes
+    "JAX_BLINK_TWOSHOT_REDUCERS",  # its blocks that only reduce
     "JAX_BLINK_ASYNC_BLOCKS",  # kernels/cuda/async_ffi.cc: the grid of the overlapped (start/done) all-reduce
     "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda/ipc.cu: the IPC kernels' most blocks (default: one per SM)
     "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/lowering/processes.py

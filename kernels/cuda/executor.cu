@@ -443,6 +443,13 @@ bool TwoShotPullAlways() {  // JAX_BLINK_TWOSHOT_MODE: auto (push unless an oper
   const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE");
   return e != nullptr && strcasecmp(e, "pull") == 0;
 }
+// JAX_BLINK_TWOSHOT_REDUCERS (checked by CheckEnvironment), at most a quarter of the grid `G`.
+int TwoShotReducers(int G) {
+  int64_t v = kTwoShotReducers;
+  if (EnvValue("JAX_BLINK_TWOSHOT_REDUCERS") != nullptr && !EnvCount("JAX_BLINK_TWOSHOT_REDUCERS", 0, kMaxCudaBlocks, &v))
+    v = kTwoShotReducers;
+  return static_cast<int>(std::min<int64_t>(v, G / 4));
+}
 int64_t DefaultLLMax() { return EnvBytes("JAX_BLINK_LL_BYTES", kDefaultLLMaxBytes); }
 int64_t DefaultOneShotMax(int n) { return n == 2 ? EnvBytes("JAX_BLINK_ONESHOT_BYTES", kDefaultOneShotMaxBytes) : 0; }
 
@@ -962,6 +969,7 @@ int64_t ChooseTwoShot(const Program& prog, bool allreduce, int esize, int G, Par
   base->ts_pieces = pieces;
   base->ts_align = align;
   base->ts_pull = TwoShotPullAlways() ? 1 : 0;
+  base->ts_reducers = TwoShotReducers(G);
   base->os_elems = prog.total_elems();
   base->grid = G;
   return pieces;
@@ -1548,7 +1556,7 @@ std::string CheckEnvironment() {
                            "JAX_BLINK_TWOSHOT_PIECE_BYTES"})
     if (EnvValue(name) != nullptr && !ParseByteCount(EnvValue(name), &v))
       bad(name, "a byte count such as 8388608, 512K, 16M or 1G");
-  for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS"})
+  for (const char* name : {"JAX_BLINK_CUDA_BLOCKS", "JAX_BLINK_HOST_BLOCKS", "JAX_BLINK_TWOSHOT_REDUCERS"})
     if (EnvValue(name) != nullptr && !EnvCount(name, 0, kMaxCudaBlocks, &v))
       bad(name, "an integer from 0 to 65536");
   double share = 0;

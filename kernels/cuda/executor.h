@@ -72,6 +72,11 @@ constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: be
 // (JAX_BLINK_TWOSHOT_PIECE_BYTES overrides).
 constexpr int64_t kDefaultTwoShotMinBytes = 16 << 20;  // faster than the trees from here on 4 x H200 (NOTES, change 13)
 constexpr int64_t kTwoShotPieceBytes = 1 << 20;  // fewer flag round trips beat a shorter pipeline fill (NOTES, change 16)
+// Blocks of the two-shot grid that only reduce (JAX_BLINK_TWOSHOT_REDUCERS overrides; 0: every block
+// pushes, reduces and broadcasts its own pieces): the reductions run beside the NVLink transfers
+// instead of between them (NOTES, change 17; measured before it becomes the default). At most a
+// quarter of the grid.
+constexpr int kTwoShotReducers = 0;
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
 constexpr int64_t kDefaultHostChunkBytes = 512 << 10;  // small chunks fill the channel's pipeline sooner

@@ -60,6 +60,83 @@ __device__ __forceinline__ uint32_t* ts_flag(const Params& p, uint8_t* base, int
   return inbox_at(p, base, src, phase, static_cast<int>(u));
 }
 
+// A: this rank's contribution to piece q of every peer's chunk, into the peer's region me;
+// release-flags (A, q) on each. Block-wide.
+template <class S>
+__device__ __forceinline__ void ts_push(const Params& p, const Shared& sh, const S* in, int64_t mine, int64_t q) {
+  const int n = p.nranks, me = p.rank;
+  int64_t lo, len;
+  ts_piece(p, q, &lo, &len);
+  for (int d = 1; d < n; ++d) {
+    const int j = (me + d) % n;
+    copy_range<S, false>(reinterpret_cast<S*>(sh.pout[j]) + mine + lo, in + static_cast<int64_t>(j) * p.ts_chunk + lo, len);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 0, q), sh.k);
+}
+
+// B: piece q of chunk me, reduced in rank order into out; then (push) release-flags (B, q) on every
+// peer ("my regions' piece q are read") and, where `tell_self`, on this rank's own inbox for the
+// broadcasting blocks. Block-wide; false once the call failed.
+template <class E, class Op>
+__device__ __forceinline__ bool ts_reduce(const Params& p, Shared& sh, const typename E::S* in, typename E::S* out,
+                                          int64_t mine, bool push, int64_t q, bool tell_self) {
+  using S = typename E::S;
+  const int n = p.nranks, me = p.rank;
+  int64_t lo, len;
+  ts_piece(p, q, &lo, &len);
+  if (threadIdx.x == 0) {
+    bool ok = true;
+    for (int s = 0; ok && s < n; ++s)
+      if (s != me && push) ok = wait_for(p, sh, ts_flag(p, p.site, s, 0, q), s, -1, mine + lo, kAtReduce);
+    for (int s = 0; s < n; ++s)
+      sh.src[s] = s == me ? static_cast<const void*>(in + mine + lo)
+                  : push  ? static_cast<const void*>(out + static_cast<int64_t>(s) * p.ts_chunk + lo)
+                          : static_cast<const void*>(reinterpret_cast<const S*>(sh.pin[s]) + mine + lo);
+  }
+  __syncthreads();
+  if (sh.fail) return false;
+  combine_range<E, Op>(out + mine + lo, static_cast<const S*>(sh.src[0]), reinterpret_cast<const S* const*>(sh.src + 1),
+                       n - 1, nullptr, 0, len);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (push)
+      for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 1, q), sh.k);
+    if (tell_self) sync::st_release_sys(ts_flag(p, p.site, me, 1, q), sh.k);
+  }
+  return true;
+}
+
+// C: piece q of chunk me into every peer's region me, once (push) every peer has read what this
+// rank wrote there and, where `wait_self`, this rank's reducing block has finished the piece;
+// release-flags (C, q). Block-wide; false once the call failed.
+template <class E, class Op>
+__device__ __forceinline__ bool ts_broadcast(const Params& p, Shared& sh, typename E::S* out, int64_t mine, bool push,
+                                             int64_t q, bool wait_self) {
+  using S = typename E::S;
+  const int n = p.nranks, me = p.rank;
+  int64_t lo, len;
+  ts_piece(p, q, &lo, &len);
+  if (threadIdx.x == 0) {
+    bool ok = !wait_self || wait_for(p, sh, ts_flag(p, p.site, me, 1, q), me, -1, mine + lo, kAtBroadcast);
+    int nd = 0;
+    for (int d = 1; ok && d < n; ++d) {
+      const int j = (me + d) % n;
+      if (push) ok = wait_for(p, sh, ts_flag(p, p.site, j, 1, q), j, -1, mine + lo, kAtBroadcast);
+      sh.dst[nd++] = reinterpret_cast<S*>(sh.pout[j]) + mine + lo;
+    }
+    sh.nd = nd;
+  }
+  __syncthreads();
+  if (sh.fail) return false;
+  combine_range<E, Op>(nullptr, out + mine + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), sh.nd, len);
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 2, q), sh.k);
+  return true;
+}
+
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
   using S = typename E::S;
@@ -75,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
   }
   const S* in = static_cast<const S*>(p.in);
   S* out = static_cast<S*>(p.out);
-  const int64_t C = p.ts_chunk, Q = p.ts_pieces, G = p.grid;
+  const int64_t C = p.ts_chunk, Q = p.ts_pieces;
   if (tid == 0) {
     sh.deadline = sync::globaltimer_ns() + p.timeout_ns;
     if (b == 0) publish_pointers(p, sh);
@@ -103,67 +180,23 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
         tail_out[i] = E::store(acc);
       }
     }
-    const int64_t mq = (Q - b + G - 1) / G;  // this block's pieces: q = b + i G, i < mq
+    // Roles: with R reducing blocks, blocks 0 .. M - 1 push and broadcast pieces b + i M, and
+    // block M + r reduces pieces r + i R (in increasing order, so each waits only on pushes that
+    // no broadcast waits behind); with R = 0 every block runs all three steps of pieces b + i G.
+    const int R = p.ts_reducers, M = p.grid - R;
+    if (b >= M) {
+      for (int64_t q = b - M; q < Q; q += R)
+        if (!ts_reduce<E, Op>(p, sh, in, out, mine, push, q, true)) goto done;
+      goto done;  // nothing of this rank's result lands through a reducing block's exit
+    }
+    // Steps software-pipelined: push piece i, reduce piece i - 1 (no reducers), broadcast piece
+    // i - 2, so that NVLink stays busy while other pieces reduce.
+    const int64_t mq = (Q - b + M - 1) / M;  // this block's pieces: q = b + i M, i < mq
     for (int64_t i = 0; i < mq + 2; ++i) {
-      // A: piece i, this rank's contribution to every peer's chunk.
-      if (push && i < mq) {
-        const int64_t q = b + i * G;
-        int64_t lo, len;
-        ts_piece(p, q, &lo, &len);
-        for (int d = 1; d < n; ++d) {
-          const int j = (me + d) % n;
-          copy_range<S, false>(reinterpret_cast<S*>(sh.pout[j]) + mine + lo, in + static_cast<int64_t>(j) * C + lo, len);
-        }
-        __syncthreads();
-        if (tid == 0)
-          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 0, q), sh.k);
-      }
-      // B: piece i - 1 of chunk me, reduced in rank order.
-      if (i >= 1 && i - 1 < mq) {
-        const int64_t q = b + (i - 1) * G;
-        int64_t lo, len;
-        ts_piece(p, q, &lo, &len);
-        if (tid == 0) {
-          bool ok = true;
-          for (int s = 0; ok && s < n; ++s) {
-            if (s == me) continue;
-            if (push) ok = wait_for(p, sh, ts_flag(p, p.site, s, 0, q), s, -1, mine + lo, kAtReduce);
-          }
-          for (int s = 0; s < n; ++s)
-            sh.src[s] = s == me ? static_cast<const void*>(in + mine + lo)
-                        : push  ? static_cast<const void*>(out + static_cast<int64_t>(s) * C + lo)
-                                : static_cast<const void*>(reinterpret_cast<const S*>(sh.pin[s]) + mine + lo);
-        }
-        __syncthreads();
-        if (sh.fail) goto done;
-        combine_range<E, Op>(out + mine + lo, static_cast<const S*>(sh.src[0]),
-                             reinterpret_cast<const S* const*>(sh.src + 1), n - 1, nullptr, 0, len);
-        __syncthreads();
-        if (tid == 0 && push)
-          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 1, q), sh.k);
-      }
-      // C: piece i - 2 of chunk me, into every peer's region me.
-      if (i >= 2 && i - 2 < mq) {
-        const int64_t q = b + (i - 2) * G;
-        int64_t lo, len;
-        ts_piece(p, q, &lo, &len);
-        if (tid == 0) {
-          bool ok = true;
-          int nd = 0;
-          for (int d = 1; ok && d < n; ++d) {
-            const int j = (me + d) % n;
-            if (push) ok = wait_for(p, sh, ts_flag(p, p.site, j, 1, q), j, -1, mine + lo, kAtBroadcast);
-            sh.dst[nd++] = reinterpret_cast<S*>(sh.pout[j]) + mine + lo;
-          }
-          sh.nd = nd;
-        }
-        __syncthreads();
-        if (sh.fail) goto done;
-        combine_range<E, Op>(nullptr, out + mine + lo, nullptr, 0, reinterpret_cast<S* const*>(sh.dst), sh.nd, len);
-        __syncthreads();
-        if (tid == 0)
-          for (int d = 1; d < n; ++d) sync::st_release_sys(ts_flag(p, sh.peer_base[(me + d) % n], me, 2, q), sh.k);
-      }
+      if (push && i < mq) ts_push<S>(p, sh, in, mine, b + i * M);
+      if (R == 0 && i >= 1 && i - 1 < mq && !ts_reduce<E, Op>(p, sh, in, out, mine, push, b + (i - 1) * M, false))
+        goto done;
+      if (i >= 2 && i - 2 < mq && !ts_broadcast<E, Op>(p, sh, out, mine, push, b + (i - 2) * M, R > 0)) goto done;
     }
     // Exit: every peer's final pieces of this block have landed here.
     if (tid == 0)
@@ -171,8 +204,8 @@ __global__ void __launch_bounds__(kThreads, 1) two_shot_kernel(const Params p) {
         for (int s = 0; s < n && !sh.fail; ++s) {
           if (s == me) continue;
           int64_t lo, len;
-          ts_piece(p, b + i * G, &lo, &len);
-          wait_for(p, sh, ts_flag(p, p.site, s, 2, b + i * G), s, -1, static_cast<int64_t>(s) * C + lo, kAtExit);
+          ts_piece(p, b + i * M, &lo, &len);
+          wait_for(p, sh, ts_flag(p, p.site, s, 2, b + i * M), s, -1, static_cast<int64_t>(s) * C + lo, kAtExit);
         }
     __syncthreads();
     if (!sh.fail && b == 0)

@@ -45,7 +45,7 @@ def test_good_values_pass(monkeypatch):
                         ("JAX_BLINK_HOST_CHUNK_BYTES", "16M"), ("JAX_BLINK_HOST_BLOCKS", "16"),
                         ("JAX_BLINK_HOST_SHARE", "0.09"), ("JAX_BLINK_HOST_ENGINE", "CE"),
                         ("JAX_BLINK_TWOSHOT_MIN_BYTES", "16M"), ("JAX_BLINK_TWOSHOT_PIECE_BYTES", "64K"),
-                        ("JAX_BLINK_TWOSHOT_MODE", "Pull")]:
+                        ("JAX_BLINK_TWOSHOT_MODE", "Pull"), ("JAX_BLINK_TWOSHOT_REDUCERS", "0")]:
         monkeypatch.setenv(name, value)
     _blink_cuda.check_environment()
     monkeypatch.setenv("JAX_BLINK_HOST_ENGINE", "")  # empty counts as unset
@@ -69,6 +69,8 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_TWOSHOT_MIN_BYTES", "big", "byte count"),
     ("JAX_BLINK_TWOSHOT_PIECE_BYTES", "1.5M", "byte count"),
     ("JAX_BLINK_TWOSHOT_MODE", "push", "auto .* or pull"),
+    ("JAX_BLINK_TWOSHOT_REDUCERS", "-1", "from 0 to 65536"),
+    ("JAX_BLINK_TWOSHOT_REDUCERS", "a few", "from 0 to 65536"),
 ])
 def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):
     monkeypatch.setenv(name, value)

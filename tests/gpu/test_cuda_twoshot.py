@@ -118,12 +118,17 @@ def test_two_shot_stays_off_below_its_size(monkeypatch):
 
 @pytest.mark.parametrize("env", [{"JAX_BLINK_TWOSHOT_MODE": "pull"}, {"JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
                                  {"JAX_BLINK_TWOSHOT_PIECE_BYTES": "4M"},
-                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"}],
-                         ids=["pull", "pieces16K", "pieces4M", "pull-pieces16K"])
+                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
+                                 {"JAX_BLINK_TWOSHOT_REDUCERS": "0"}, {"JAX_BLINK_TWOSHOT_REDUCERS": "1"},
+                                 {"JAX_BLINK_TWOSHOT_REDUCERS": "1000", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
+                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_REDUCERS": "0"}],
+                         ids=["pull", "pieces16K", "pieces4M", "pull-pieces16K", "reducers0", "reducers1",
+                              "reducers-most-pieces16K", "pull-reducers0"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_shot_knobs_keep_the_result(env, dtype, monkeypatch):
-    """JAX_BLINK_TWOSHOT_MODE=pull (remote reads in every call) and the piece size change how the
-    bytes move, never the result: every rank's bits equal the default kernel's (same terms, same
+    """JAX_BLINK_TWOSHOT_MODE=pull (remote reads in every call), the piece size and the reducing
+    blocks (JAX_BLINK_TWOSHOT_REDUCERS: none, one, as many as allowed) change how the bytes move,
+    never the result: every rank's bits equal the default kernel's (same terms, same
     order), within one rounding of the exact sum (numpy, float64: the kernel sums in float32 and
     rounds once; psum's bfloat16 ring rounds at every hop, so it is no reference at this size)."""
     n = min(4, len(_gpus()))

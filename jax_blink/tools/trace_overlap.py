@@ -22,8 +22,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-#: The CUDA executor's kernels (kernels/cuda/device_kernels.cuh), as the profiler names them.
-OUR_KERNELS = re.compile(r"\b(?:collective|ll|oneshot|one_shot|twoshot|two_shot|one_rank)_kernel\b")
+#: The CUDA executor's kernels (kernels/cuda/device_kernels.cuh), as the profiler names them, and
+#: the copy-engine form's work (kernels/cuda/async_ce.cc): its reduction kernel and its peer copies,
+#: which no XLA collective of these programs issues.
+OUR_KERNELS = re.compile(r"\b(?:collective|ll|oneshot|one_shot|twoshot|two_shot|one_rank|reduce_terms)_kernel\b"
+                         r"|^MemcpyP2P")
 #: Events on a GPU that are not compute: copies and sets.
 NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)")
 

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "common/ffi_binding.h"
+#include "cuda/async_ce.h"
 #include "cuda/async_ffi.h"
 #include "cuda/executor.h"
 #include "cuda/gpu_binding.h"
@@ -192,27 +193,47 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     cudaError_t e = cudaMemcpyAsync(passed->untyped_data(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, device, comm_id, CudaErr("copying the operand", e));
   }
-  std::lock_guard<std::mutex> lock(g_mu);
-  std::deque<cudaEvent_t>& fifo = g_in_flight[{comm_id, device}];
-  if (fifo.size() >= kMaxInFlight)
+  bool ce = false;
+  if (std::string err = AsyncEngineIsCopyEngines(&ce); !err.empty())
+    return Fail(ffi::ErrorCode::kInvalidArgument, device, comm_id, err);
+  std::unique_lock<std::mutex> lock(g_mu);
+  if (g_in_flight[{comm_id, device}].size() >= kMaxInFlight)
     return Fail(ffi::ErrorCode::kResourceExhausted, device, comm_id,
-                std::to_string(fifo.size()) + " starts without a done: every jax_blink_start needs its jax_blink_done");
+                std::to_string(g_in_flight[{comm_id, device}].size()) +
+                    " starts without a done: every jax_blink_start needs its jax_blink_done");
   DeviceLane* lane = nullptr;
   if (std::string err = LaneLocked(device, &lane); !err.empty()) return Fail(ffi::ErrorCode::kInternal, device, comm_id, err);
   cudaEvent_t done = nullptr;
   if (std::string err = TakeEventLocked(device, *lane, &done); !err.empty())
     return Fail(ffi::ErrorCode::kInternal, device, comm_id, err);
+  auto give_back = [&] {
+    if (!lock.owns_lock()) lock.lock();
+    lane->free_events.push_back(done);
+  };
   // Fork: the side stream starts where XLA's stream is now (x is written, `out`'s memory free).
   cudaError_t e = cudaEventRecord(lane->fork, stream);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(lane->side, lane->fork, 0);
   if (e != cudaSuccess) {
-    lane->free_events.push_back(done);
+    give_back();
     return Fail(ffi::ErrorCode::kInternal, device, comm_id, CudaErr("forking the side stream", e));
   }
-  if (std::string err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), lane->side, timeout_ms);
-      !err.empty()) {
-    lane->free_events.push_back(done);
-    return Fail(ffi::ErrorCode::kInternal, device, comm_id, err);
+  std::string launched;
+  if (ce) {
+    // The copy engines' form meets the other ranks on the host: never while holding g_mu, which
+    // their own starts need. Only this device's thread uses this side stream meanwhile.
+    lock.unlock();
+    int blocks = 0;
+    AsyncBlocks(&blocks);
+    launched = StartWithCopyEngines(comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op,
+                                    x.untyped_data(), out->untyped_data(), static_cast<int64_t>(x.element_count()),
+                                    esize, blocks, lane->side, timeout_ms);
+    lock.lock();
+  } else {
+    launched = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), lane->side, timeout_ms);
+  }
+  if (!launched.empty()) {
+    give_back();
+    return Fail(ffi::ErrorCode::kInternal, device, comm_id, launched);
   }
   e = cudaEventRecord(done, lane->side);
   if (e != cudaSuccess) {
@@ -223,7 +244,7 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     cudaStreamWaitEvent(stream, lane->fork, 0);
     return Fail(ffi::ErrorCode::kInternal, device, comm_id, CudaErr("recording the done event", e));
   }
-  fifo.push_back(done);
+  g_in_flight[{comm_id, device}].push_back(done);
   return ffi::Error::Success();
 }
 

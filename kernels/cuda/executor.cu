@@ -1286,6 +1286,7 @@ std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const
 }
 
 int SiteRank(const Site* s) { return s->rank; }
+int SiteRanks(const Site* s) { return s->nranks; }
 int SiteEsize(const Site* s) { return s->esize; }
 int64_t SiteTotalElems(const Site* s) { return s->total; }
 int64_t SiteUnits(const Site* s) { return s->units; }
@@ -1374,6 +1375,57 @@ std::string LaunchWithCopyEngines(Site* s, KernelFn fn, Params& p, cudaStream_t 
   JB_TRY("cudaStreamWaitEvent (join)", cudaStreamWaitEvent(stream, x.joined_to, 0));
   JB_TRY("cudaStreamWaitEvent (join)", cudaStreamWaitEvent(stream, x.joined_from, 0));
   return {};
+}
+
+namespace {
+
+// LaunchReduceTerms's kernel: block b reduces its 16-byte-aligned share of [0, elems).
+struct ReduceTermsArgs {
+  void* out;
+  const void* src[kMaxRanks];
+  int nsrc;
+  int64_t elems;
+};
+template <class E, class Op>
+__global__ void __launch_bounds__(kThreads) reduce_terms_kernel(const ReduceTermsArgs a) {
+  using S = typename E::S;
+  constexpr int64_t kAlign = 16 / sizeof(S);
+  const int64_t per = ((a.elems + gridDim.x - 1) / gridDim.x + kAlign - 1) / kAlign * kAlign;
+  const int64_t lo = min(a.elems, static_cast<int64_t>(blockIdx.x) * per), hi = min(a.elems, lo + per);
+  if (hi <= lo) return;
+  const S* rest[kMaxRanks];
+  for (int k = 1; k < a.nsrc; ++k) rest[k - 1] = static_cast<const S*>(a.src[k]) + lo;
+  combine_range<E, Op>(static_cast<S*>(a.out) + lo, static_cast<const S*>(a.src[0]) + lo, rest, a.nsrc - 1, nullptr,
+                       0, hi - lo);
+}
+template <class E>
+void LaunchReduceTermsOf(int op, int blocks, cudaStream_t stream, const ReduceTermsArgs& a) {
+  if (op == 0) reduce_terms_kernel<E, OpSum><<<blocks, kThreads, 0, stream>>>(a);
+  else if (op == 1) reduce_terms_kernel<E, OpMax><<<blocks, kThreads, 0, stream>>>(a);
+  else reduce_terms_kernel<E, OpMin><<<blocks, kThreads, 0, stream>>>(a);
+}
+
+}  // namespace
+
+std::string LaunchReduceTerms(DType dtype, int32_t op, void* out, const void* const* srcs, int nsrc, int64_t elems,
+                              int blocks, cudaStream_t stream) {
+  if (nsrc < 1 || nsrc > kMaxRanks || op < 0 || op >= kNumOps || blocks < 1) return "bad reduce-terms arguments";
+  if (elems <= 0) return {};
+  ReduceTermsArgs a{};
+  a.out = out;
+  for (int k = 0; k < nsrc; ++k) a.src[k] = srcs[k];
+  a.nsrc = nsrc;
+  a.elems = elems;
+  switch (dtype) {
+    case DType::kF32: LaunchReduceTermsOf<EF32>(op, blocks, stream, a); break;
+    case DType::kF64: LaunchReduceTermsOf<EF64>(op, blocks, stream, a); break;
+    case DType::kBF16: LaunchReduceTermsOf<EBF16>(op, blocks, stream, a); break;
+    case DType::kF16: LaunchReduceTermsOf<EF16>(op, blocks, stream, a); break;
+    case DType::kS32: LaunchReduceTermsOf<ES32>(op, blocks, stream, a); break;
+    case DType::kS64: LaunchReduceTermsOf<ES64>(op, blocks, stream, a); break;
+  }
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? std::string() : std::string("launching the reduction: ") + cudaGetErrorString(e);
 }
 
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,

@@ -73,9 +73,8 @@ constexpr int64_t kDefaultOneShotMaxBytes = 8 << 20;  // one-shot up to here: be
 constexpr int64_t kDefaultTwoShotMinBytes = 16 << 20;  // faster than the trees from here on 4 x H200 (NOTES, change 13)
 constexpr int64_t kTwoShotPieceBytes = 1 << 20;  // fewer flag round trips beat a shorter pipeline fill (NOTES, change 16)
 // Blocks of the two-shot grid that only reduce (JAX_BLINK_TWOSHOT_REDUCERS overrides; 0: every block
-// pushes, reduces and broadcasts its own pieces): the reductions run beside the NVLink transfers
-// instead of between them (NOTES, change 17; measured before it becomes the default). At most a
-// quarter of the grid.
+// pushes, reduces and broadcasts its own pieces). At most a quarter of the grid. 0: 8, 16 or 32 such
+// blocks were slower on 4 x H200 at 64 MiB-1 GiB (NOTES, change 17).
 constexpr int kTwoShotReducers = 0;
 constexpr int64_t kDefaultHostMinBytes = int64_t{256} << 20;  // below, the host channel's fill outweighs its share
 constexpr int kDefaultHostBlocks = 16;
@@ -111,6 +110,7 @@ Site* FindSite(int64_t comm_id, int device);  // nullptr when this device has no
 
 // What a call must match (the handler checks these on its fast path).
 int SiteRank(const Site* s);
+int SiteRanks(const Site* s);
 int SiteEsize(const Site* s);
 int64_t SiteTotalElems(const Site* s);
 // True when (program, len) equals the site's program (fast when the pointer repeats).
@@ -121,6 +121,12 @@ bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len);
 // mismatches) are recorded on the device and reported by DeviceError / CheckAll.
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out,
                    cudaStream_t stream, int64_t timeout_ms);
+
+// out[i] = srcs[0][i] op srcs[1][i] op ... (in that order) for i < elems, by `blocks` blocks on
+// `stream` (the copy-engine form of the asynchronous all-reduce reduces what the copy engines
+// brought). Every pointer 16-byte aligned for the vector path; out may alias srcs[0].
+std::string LaunchReduceTerms(DType dtype, int32_t op, void* out, const void* const* srcs, int nsrc, int64_t elems,
+                              int blocks, cudaStream_t stream);
 
 // Non-empty when a kernel on `device` recorded a failure (a host read of pinned memory; cheap).
 // Failures are sticky: every later kernel on that device exits at once, until ResetAll().

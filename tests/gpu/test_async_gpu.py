@@ -109,3 +109,53 @@ def test_start_done_api_on_gpus():
     y = np.tanh(np.asarray(x)) @ np.ones((4097, 64), np.float32)
     np.testing.assert_allclose(np.asarray(s2), y.sum(0), rtol=1e-4, atol=1e-2)
     assert _blink_cuda.async_in_flight() == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
+def test_copy_engine_form_on_gpus(dtype, monkeypatch):
+    """JAX_BLINK_ASYNC_ENGINE=ce: the copy engines move the bytes, a few blocks add them up; every
+    bucket (sizes below n chunks of 16 bytes, ragged, over 1 MiB) equals psum (integers exactly, floats
+    within roundings), on fresh random data after the outputs were poisoned by an earlier call."""
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
+    n = len(GPUS)
+    rng = np.random.default_rng(17)
+    shapes = {"a": (n, 3001), "b": (n, 70, 301), "c": (n, (1 << 20) + 3), "d": (n, 5)}
+
+    def fresh():
+        if dtype is np.int32:
+            return {k: _sharded(rng.integers(-1000, 1000, s).astype(dtype)) for k, s in shapes.items()}
+        return {k: _sharded(jnp.asarray(rng.standard_normal(s), dtype)) for k, s in shapes.items()}
+
+    poison = {k: _sharded(jnp.full(s, 7, dtype)) for k, s in shapes.items()}
+    tree = fresh()
+    layout = BucketLayout.of(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), tree),
+                             bucket_bytes=64 << 10, first_bucket_bytes=8 << 10)
+    with override(dispatch="blink"):
+        f = _sum_step(layout, True, "blink")
+        f(poison)
+        for _ in range(3):  # the host meetings and the events cycle over calls
+            ours = f(tree)
+    ref = _sum_step(layout, False, "psum")(tree)
+    for k in tree:
+        got, want = np.asarray(ours[k]).astype(np.float64), np.asarray(ref[k]).astype(np.float64)
+        if dtype is np.int32:
+            np.testing.assert_array_equal(got, want)
+        else:
+            exact = np.asarray(tree[k]).astype(np.float64).sum(0)
+            rtol = 2.0 ** -7 * n if dtype is jnp.bfloat16 else 1e-5
+            np.testing.assert_allclose(got, exact, rtol=rtol, atol=rtol * 4)
+    jax_blink.check()
+    assert _blink_cuda.async_in_flight() == 0
+
+
+def test_copy_engine_value_not_understood(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "dma")
+    x = _sharded(np.ones((len(GPUS), 64), np.float32))
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    def f(v):
+        return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v[0], "data"))
+
+    with override(dispatch="blink"), pytest.raises(Exception, match=r"JAX_BLINK_ASYNC_ENGINE='dma' is not understood"):
+        np.asarray(f(x))

@@ -1,0 +1,29 @@
+// The copy-engine form of the asynchronous all-reduce (cuda/async_ce.cc), chosen by
+// JAX_BLINK_ASYNC_ENGINE=ce: what async_ffi.cc's start handler calls.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/executor.h"
+
+namespace jax_blink::cuda_async {
+
+// JAX_BLINK_ASYNC_ENGINE: unset, "" or "sm" -> false (the executor's kernel), "ce" -> true (copy
+// engines); anything else -> an error message naming the value and what it takes.
+std::string AsyncEngineIsCopyEngines(bool* ce);
+
+// One call of rank `rank` of `nranks` (one process, one GPU each) of collective `comm_id`:
+// reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync) and
+// whose reduction is a small kernel (`blocks` blocks), all enqueued on `side`, which must already
+// follow XLA's stream. The ranks meet on the host three times per call (every wait within
+// `timeout_ms`), so that each waits on its peers' events of the same call. `in` and `out` must stay
+// untouched until `side` has passed what this enqueues. Returns "" or an error; after a rank
+// timed out the collective fails from then on.
+std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jax_blink::cuda::DType dtype,
+                                 int32_t op, const void* in, void* out, int64_t elems, int esize, int blocks,
+                                 cudaStream_t side, int64_t timeout_ms);
+
+}  // namespace jax_blink::cuda_async

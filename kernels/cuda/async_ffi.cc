@@ -26,6 +26,10 @@
 // third communicator (lane 2) with the executor's whole grid; it is serialised behind the small
 // ones on the same side stream, so no two spinning grids of this device run at once.
 //
+// With JAX_BLINK_ASYNC_ENGINE=ce the start enqueues the copy-engine form instead of the kernel
+// (cuda/async_ce.cc: peer copies and a small reduction on the same side stream; it meets the other
+// ranks on the host, so g_mu is released around it).
+//
 // Neither handler claims the command-buffer trait: XLA then never captures them into a CUDA graph
 // (the host work here must run at every call: the event record, the FIFO).
 #include <cuda_runtime_api.h>

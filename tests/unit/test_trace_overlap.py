@@ -75,3 +75,17 @@ def test_timeline_png(tmp_path):
     out = tmp_path / "timeline.png"
     trace_overlap.timeline_png(trace, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_copy_engine_form_counts_as_ours():
+    """JAX_BLINK_ASYNC_ENGINE=ce: its peer copies (MemcpyP2P) and its reduction kernel are jax_blink's
+    work; other copies are neither ours nor compute."""
+    ev = [{"ph": "X", "pid": 0, "ts": 0, "dur": 100, "name": "fusion_3"},
+          {"ph": "X", "pid": 0, "ts": 20, "dur": 30, "name": "MemcpyP2P"},
+          {"ph": "X", "pid": 0, "ts": 90, "dur": 20,
+           "name": "void jax_blink::cuda::(anonymous namespace)::reduce_terms_kernel<jax_blink::cuda::EF32>(ReduceTermsArgs)"},
+          {"ph": "X", "pid": 0, "ts": 200, "dur": 50, "name": "MemcpyD2D"}]
+    s = trace_overlap.summarize({"traceEvents": ev})
+    d = s["devices"]["0"]
+    assert d["ours_us"] == pytest.approx(50) and d["beside_us"] == pytest.approx(40)
+    assert d["compute_us"] == pytest.approx(100) and d["our_kernels"] == 2

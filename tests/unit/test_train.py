@@ -153,7 +153,8 @@ def test_psum_blink_and_switch_train_alike(model):
         assert abs(losses["none"][2] - losses["psum"][2]) > 1e-4
 
 
-def test_cli_trains_and_writes_results(tmp_path, capsys):
+def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")  # recorded: what an overlapped mode would run on
     rc = cli.main(["--model", "gpt2", "--collective", "switch", "--steps", "3", "--layers", "1",
                    "--width", "16", "--timing-runs", "2", "--bucket-mb", "0.01", "--first-bucket-mb",
                    "0.002", "--quick-compile", "--out", str(tmp_path)])
@@ -169,6 +170,8 @@ def test_cli_trains_and_writes_results(tmp_path, capsys):
     # The buckets' adjacent psums (float32, far below jax_blink.config.merge_bytes): one merged call.
     assert record["timing"]["modes"]["switch"]["jax_blink_calls"] == 1 and len(record["buckets"]) > 1
     assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))
+    assert record["environment"].get("JAX_BLINK_ASYNC_ENGINE") == "ce"
+    assert "environment: " in out and "JAX_BLINK_ASYNC_ENGINE=ce" in out
 
 
 @pytest.mark.parametrize("argv, flag", [

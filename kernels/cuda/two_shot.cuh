@@ -21,7 +21,10 @@
 //      then copies out[chunk r, q] into every peer's out[region r, q], release-flags (C, q).
 //   Exit: waits for (C, q) from every peer (their final pieces landed in this rank's `out`).
 // Blocks run their pieces software-pipelined (A of piece i, B of i - 1, C of i - 2), so that
-// NVLink stays busy while other pieces reduce.
+// NVLink stays busy while other pieces reduce. With JAX_BLINK_TWOSHOT_REDUCERS = R > 0 the last R
+// blocks run every piece's B (in increasing order) and the others A and C; a C then also waits
+// for its own rank's B (a flag in the rank's own inbox). Measured slower (NOTES, change 17): off
+// by default.
 // ## Pull mode (some rank's in == out: a peer's contribution would overwrite an operand; or
 // JAX_BLINK_TWOSHOT_MODE=pull, which measures the remote reads against the remote writes)
 // B reads the peers' `in` in place instead (no A); C needs no (B, q) wait: region r of rank j is

@@ -22,7 +22,8 @@
 # knobs and psum taking turns in one process).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
-# on 4 x H200; TRAIN_ASYNC_BLOCKS="8 12" adds a GPT-2 run per overlapped grid size, 1.5 min each);
+# on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_ASYNC_BLOCKS="8 12"
+# adds a GPT-2 run per overlapped grid size, 1.5 min each);
 # decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes); schedule
 # prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
@@ -164,7 +165,7 @@ PY
       mkdir -p "$OUT/train"
       for model in "gpt2 full" "resnet medium"; do
         set -- $model
-        timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective overlap \
+        JAX_BLINK_ASYNC_ENGINE=${TRAIN_ASYNC_ENGINE:-} timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective overlap \
           --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -9
         for m in blink overlap; do

@@ -51,6 +51,8 @@ def environment(env: dict[str, str] | None):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 #: Collectives whose result is the same on every rank (checked bit for bit between ranks).
 REPLICATED = ("all_reduce", "broadcast", "all_gather")

@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import collective_checks as cc  # noqa: E402  (benchmarks/ on the path first)
 
 DEFAULT_SIZES = "4K,1M,16M,64M"
-
 DEFAULT_DTYPES = "float32,bfloat16,int32"
 
 
@@ -193,6 +192,9 @@ def main(argv=None) -> int:
     if bad_dtypes:
         ap.error(f"--dtypes: {bad_dtypes} not supported; supported: {', '.join(jax_blink.SUPPORTED_DTYPES)}")
     devices = jax.devices()
+    if len(devices) < 2:
+        ap.error(f"needs 2 or more devices; jax sees {len(devices)} ({devices[0].platform}): run it on GPUs, or on "
+                 "CPU host devices with XLA_FLAGS=--xla_force_host_platform_device_count=4")
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(2, min(4, len(devices)) + 1))
     if not ranks or min(ranks) < 2 or max(ranks) > len(devices):
         ap.error(f"--ranks must lie in 2..{len(devices)} (the devices jax sees), got {args.ranks or 'none'}")

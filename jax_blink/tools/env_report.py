@@ -171,6 +171,16 @@ def _links(devices: list) -> str:
     return topo.describe()
 
 
+#: Variables that change what a run of jax_blink does or measures (the report's last section).
+RELEVANT_PREFIXES = ("JAX_BLINK_", "XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "NCCL_")
+
+
+def relevant_environment(environ=None) -> dict[str, str]:
+    """The variables of ``environ`` (default ``os.environ``) named by :data:`RELEVANT_PREFIXES`, sorted."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(RELEVANT_PREFIXES)}
+
+
 def report() -> str:
     """The whole report, as text."""
     sections = [("Versions", _versions()), ("Executors in this build", _executors())]
@@ -182,8 +192,7 @@ def report() -> str:
                      "CPU host devices share memory)", topo.splitlines()))
     sections.append(("Peer access (CUDA, row -> column)", _peer_access(gpus)))
     sections.append(("What jax_blink would run here", _would_run(devices)))
-    env = [f"{k}={v}" for k, v in sorted(os.environ.items())
-           if k.startswith(("JAX_BLINK_", "XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "NCCL_"))]
+    env = [f"{k}={v}" for k, v in relevant_environment().items()]
     sections.append(("Environment", env or ["(no JAX_BLINK_*, XLA_FLAGS, JAX_PLATFORMS, CUDA_VISIBLE_DEVICES, NCCL_*)"]))
     out = []
     for title, lines in sections:

@@ -449,6 +449,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   return ffi::Error::Success();
 }
 
+// Closes c's mapping of rank q's region, if it has one. A close that CUDA refuses (the peer's process
+// gone, or its memory freed first) is cleared: the mapping counts as closed either way.
+void ClosePeerMapping(Comm& c, int q) {
+  if (!c.opened_ipc[q]) return;
+  if (cudaIpcCloseMemHandle(c.peers[q]) != cudaSuccess) cudaGetLastError();
+  c.opened_ipc[q] = 0;
+}
+
 // cudaMalloc of an IPC region at an address this process has not exported before: one it exported
 // and freed may still be mapped by a peer whose close CUDA refused (that peer could never map the
 // new region). The refused addresses are held while allocating, then freed.
@@ -557,10 +565,8 @@ int CloseStaleMappings(const Comm* keep, int device, int64_t pid, uint64_t addr)
     if (o.get() == keep || o->device != device) continue;
     for (int q = 0; q < o->nranks; ++q) {
       if (!o->opened_ipc[q] || o->pids[q] != pid || o->addrs[q] != addr) continue;
-      cudaDeviceSynchronize();  // its kernels have ended (each wait has its budget)
-      cudaGetLastError();
-      if (cudaIpcCloseMemHandle(o->peers[q]) != cudaSuccess) cudaGetLastError();
-      o->opened_ipc[q] = 0;
+      if (closed == 0 && cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();  // its kernels have ended
+      ClosePeerMapping(*o, q);
       o->stale = RankName(*o, q) + "'s process (pid " + std::to_string(pid) +
                  ") freed its collective memory and made new memory at the same address, so its old region is "
                  "closed here; this collective cannot run again: call jax_blink.reset() and run the program "
@@ -643,13 +649,8 @@ std::string ReleaseFailed() {
                               std::to_string(c->comm_id) + "): releasing the failed collective: ";
     cudaError_t e = cudaSetDevice(c->device);
     if (e == cudaSuccess) e = cudaDeviceSynchronize();  // its kernels have ended (each wait has its budget)
-    // A close that CUDA refuses (the peer's process gone, or its memory freed first) is not an
-    // error of the reset: the collective stays failed either way, and the other steps still run.
-    for (int p = 0; e == cudaSuccess && p < c->nranks; ++p)
-      if (c->opened_ipc[p]) {
-        if (cudaIpcCloseMemHandle(c->peers[p]) != cudaSuccess) cudaGetLastError();
-        c->opened_ipc[p] = 0;
-      }
+    // A refused close is not an error of the reset: the collective stays failed either way.
+    for (int p = 0; e == cudaSuccess && p < c->nranks; ++p) ClosePeerMapping(*c, p);
     if (e == cudaSuccess) e = cudaFree(c->d_peers);
     if (e == cudaSuccess) c->d_peers = nullptr;
     if (e == cudaSuccess) e = cudaFree(c->mine);
@@ -666,8 +667,7 @@ void ReleaseAll() {
   std::lock_guard<std::mutex> g(g_mu);
   for (auto& [key, c] : g_comms) {
     DeviceGuard dg(c->device);
-    for (int p = 0; p < c->nranks; ++p)
-      if (c->opened_ipc[p]) cudaIpcCloseMemHandle(c->peers[p]);
+    for (int p = 0; p < c->nranks; ++p) ClosePeerMapping(*c, p);
     cudaFree(c->d_peers);
     if (c->mine != nullptr) g_released.insert({c->device, reinterpret_cast<uintptr_t>(c->mine)});
     cudaFree(c->mine);

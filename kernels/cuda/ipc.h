@@ -60,11 +60,10 @@ std::string CheckAll();
 // Frees every region and closes every opened handle (no call may be running).
 void ReleaseAll();
 
-// For every collective that failed (a wait ran past its budget): closes its handles of the peers'
+// For every collective that failed (a wait ran past its budget) or went stale: closes its handles of the peers'
 // regions and frees its own, keeping its error record, so that it still fails with its message
 // and holds no memory. Returns an error message where CUDA refuses ("" if none); none may be
-// running. (A peer that freed and re-created its region is still refused afterwards on 4 x H200:
-// see Open.)
+// running. Also releases the collectives that Open marked stale (a peer's region replaced).
 std::string ReleaseFailed();
 
 }  // namespace jax_blink::cuda_ipc

@@ -58,3 +58,10 @@ def test_a_machine_without_an_entry_is_told_what_runs_meanwhile(monkeypatch, tmp
     assert "NO entry for this machine: the meanwhile rule" in text
     assert "has no measured entry for this machine" in text and "jax-blink tune" in text
     assert "Meanwhile it runs jax_blink's executor only at sizes" in text
+
+
+def test_relevant_environment_keeps_what_changes_a_run():
+    env = {"JAX_BLINK_ASYNC_ENGINE": "ce", "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_NVLS_ENABLE": "0", "HOME": "/root",
+           "XLA_FLAGS": "--xla_dump_to=/tmp", "PATH": "/bin"}
+    assert env_report.relevant_environment(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "JAX_BLINK_ASYNC_ENGINE": "ce",
+                                         "NCCL_NVLS_ENABLE": "0", "XLA_FLAGS": "--xla_dump_to=/tmp"}

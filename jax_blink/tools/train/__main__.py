@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import datetime as _dt
 import json
-import os
 import re
 import statistics
 import sys
@@ -235,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
 
+    from jax_blink.tools.env_report import relevant_environment
+
     devices = jax.devices()
     n = args.devices or len(devices)
     if n > len(devices):
@@ -265,9 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"{PROG} {' '.join(argv if argv is not None else sys.argv[1:])}")
     say(f"devices: {n} x {kind} ({devices[0].platform}); jax {jax.__version__}"
         + (f"; {flags_note}" if flags_note and devices[0].platform == "cpu" else ""))
-    blink_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAX_BLINK_")}
-    if blink_env:  # e.g. JAX_BLINK_ASYNC_ENGINE=ce: what the overlapped mode ran on
-        say("environment: " + " ".join(f"{k}={v}" for k, v in blink_env.items()))
+    run_env = relevant_environment()
+    if run_env:  # e.g. JAX_BLINK_ASYNC_ENGINE=ce (what the overlapped mode ran on), CUDA_VISIBLE_DEVICES
+        say("environment: " + " ".join(f"{k}={v}" for k, v in run_env.items()))
     dp = DataParallel(args.model, cfg, mesh, bucket_bytes=int(args.bucket_mb * (1 << 20)),
                       first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
                       lr=args.lr, dispatch=args.dispatch,
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = {"argv": list(argv if argv is not None else sys.argv[1:]), "model": args.model, "size": args.size,
               "config": dataclasses.asdict(cfg), "parameters": dp.param_count, "collective": args.collective,
               "dispatch": args.dispatch, "quick_compile": args.quick_compile, "stream": args.stream, "devices": n, "device_kind": kind, "platform": devices[0].platform,
-              "jax": jax.__version__, "environment": blink_env, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "environment": run_env, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
     if args.timing_runs:

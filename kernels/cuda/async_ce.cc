@@ -1,20 +1,28 @@
-// The copy-engine form of the asynchronous all-reduce (JAX_BLINK_ASYNC_ENGINE=ce; docs/overlap.md).
+// The copy-engine form of the all-reduce (docs/overlap.md): what async_ffi.cc's start handler runs
+// for a site set up with JAX_BLINK_ASYNC_ENGINE=ce.
 //
 // Why: the executor's kernels move every byte with SM loads and stores, and beside the backward
-// pass they take SMs and memory bandwidth from it (the overlapped step was slower than the
-// synchronous one). Here the copy engines move the bytes and a few blocks only add them up.
+// pass they take SMs and memory bandwidth from it. Here the copy engines move the bytes and a few
+// blocks only add them up.
 //
-// One call, rank r of n, chunk s = elements [s c, (s + 1) c) (c a whole number of 16-byte atoms):
+// One call, rank r of n, chunk s = elements [s c, (s + 1) c) (c a whole number of 16-byte atoms),
+// each chunk cut into Q pieces (piece_bytes each, at most kMaxPieces):
 //   1. record `ready` on the side stream (x is written); meet the peers (phase 0);
-//   2. copy every peer's chunk r into this device's scratch (each copy after the peer's `ready`);
-//   3. reduce chunk r in rank order into out (this rank's term from x);
-//   4. record `reduced`; meet (phase 1);
-//   5. copy every peer's chunk s of its out into this out (after the peer's `reduced`);
-//   6. record `finished`; meet (phase 2); wait for every peer's `finished`: no peer reads this
-//      rank's x or out any more once the side stream passes here.
+//   2. per peer, on a copy stream of its own (so that several copy engines run at once; peer r + i
+//      first, so that no rank is every reader's first source): copy the peer's pieces of chunk r
+//      into this device's scratch, one event per piece;
+//   3. on the side stream, per piece: wait for every peer's copy of it, reduce it in rank order
+//      into out (this rank's term from x), record `reduced[q]`; meet (phase 1);
+//   4. per peer, on its copy stream: copy each piece of the peer's reduced chunk into out as soon
+//      as the peer's `reduced[q]` has passed (the all-gather overlaps the last reductions);
+//   5. the side stream waits for its copy streams, records `finished`; meet (phase 2); waits for
+//      every peer's `finished`: no peer reads this rank's x or out once the side stream passes.
 // Why the events are the right ones: a rank records call k + 1's events only after phase 2 of
-// call k, which every peer reaches only after its waits on call k's events (steps 2 and 5).
-// Every rank makes its calls in program order, so the k-th call of every rank is the same call.
+// call k, which every peer reaches only after it enqueued its waits on call k's events (steps 2
+// and 4; a wait captures the event's record at the time it is enqueued). Every rank makes its
+// calls in program order, so the k-th call of every rank is the same call. The copy streams start
+// after `ready` and end before `finished` on the side stream: the scratch and the events of one
+// device are never used by two calls at once.
 #include "cuda/async_ce.h"
 
 #include <strings.h>
@@ -34,11 +42,15 @@ namespace {
 
 namespace jbc = jax_blink::cuda;
 
+constexpr int kMaxRanks = 64;
+constexpr int kMaxPieces = 16;  // per chunk: more pieces cost more host calls than they overlap
+
 struct Slot {  // one rank's part of the current call, published before it meets the peers
   int device = -1;
   const char* in = nullptr;
   char* out = nullptr;
-  cudaEvent_t ready = nullptr, reduced = nullptr, finished = nullptr;
+  cudaEvent_t ready = nullptr, finished = nullptr;
+  cudaEvent_t reduced[kMaxPieces] = {};
   int64_t calls = 0;
 };
 
@@ -51,14 +63,19 @@ struct Group {
   std::string failed;  // set by the first rank that timed out: every later call fails with it
 };
 
-struct Scratch {
-  void* p = nullptr;
+// Per device: the scratch of the peers' terms, a copy stream per peer and their events. The side
+// stream orders every use (see the file's comment).
+struct DeviceState {
+  void* scratch = nullptr;
   size_t bytes = 0;
+  std::vector<cudaStream_t> copy;     // copy[i - 1]: the stream of peer rank + i
+  std::vector<cudaEvent_t> piece;     // piece[(i - 1) * kMaxPieces + q]: peer i's piece q is here
+  std::vector<cudaEvent_t> gathered;  // gathered[i - 1]: peer i's reduced chunk is here
 };
 
 std::mutex g_mu;  // the maps below (a group's own fields: its mutex)
 std::map<int64_t, std::unique_ptr<Group>> g_groups;
-std::map<int, Scratch> g_scratch;  // per device: one side stream orders every use
+std::map<int, DeviceState> g_devices;
 
 std::string CudaErr(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
@@ -91,27 +108,46 @@ std::string Meet(Group& g, int phase, int rank, int64_t call, int64_t timeout_ms
                (missing >= 0 ? "rank " + std::to_string(missing) + " had not started call #" + std::to_string(call)
                              : std::string("every rank had started call #") + std::to_string(call)) +
                ") at '" + kPhase[phase] + "': a rank skipped this collective or is stuck. This collective (copy "
-               "engines) fails from now on; restart the program";
+               "engines) fails from now on, until jax_blink.reset() (with no collective running) or a restart";
     g.cv.notify_all();
     return g.failed;
   }
   return {};
 }
 
-std::string EnsureScratch(int device, size_t bytes, cudaStream_t side, void** out) {
+// This device's state with `peers` copy streams and a scratch of at least `bytes`.
+std::string DeviceStateOf(int device, int peers, size_t bytes, cudaStream_t side, DeviceState** out) {
   std::lock_guard<std::mutex> lock(g_mu);
-  Scratch& s = g_scratch[device];
-  if (s.bytes < bytes) {
-    // Earlier calls on this side stream may still read the old buffer.
-    cudaError_t e = cudaStreamSynchronize(side);
-    if (e == cudaSuccess && s.p != nullptr) e = cudaFree(s.p);
-    s.p = nullptr;
-    s.bytes = 0;
-    if (e == cudaSuccess) e = cudaMalloc(&s.p, bytes);
-    if (e != cudaSuccess) return CudaErr("the copy engines' scratch buffer", e);
-    s.bytes = bytes;
+  DeviceState& d = g_devices[device];
+  cudaError_t e = cudaSuccess;
+  while (e == cudaSuccess && static_cast<int>(d.copy.size()) < peers) {
+    cudaStream_t s = nullptr;
+    e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess) break;
+    d.copy.push_back(s);
+    cudaEvent_t g = nullptr;
+    e = cudaEventCreateWithFlags(&g, cudaEventDisableTiming);
+    if (e != cudaSuccess) break;
+    d.gathered.push_back(g);
+    for (int q = 0; q < kMaxPieces && e == cudaSuccess; ++q) {
+      cudaEvent_t p = nullptr;
+      e = cudaEventCreateWithFlags(&p, cudaEventDisableTiming);
+      if (e == cudaSuccess) d.piece.push_back(p);
+    }
   }
-  *out = s.p;
+  if (e != cudaSuccess || d.piece.size() < d.copy.size() * kMaxPieces)
+    return CudaErr("creating the copy engines' streams and events", e == cudaSuccess ? cudaErrorUnknown : e);
+  if (d.bytes < bytes) {
+    // Earlier calls on this side stream may still read the old buffer.
+    e = cudaStreamSynchronize(side);
+    if (e == cudaSuccess && d.scratch != nullptr) e = cudaFree(d.scratch);
+    d.scratch = nullptr;
+    d.bytes = 0;
+    if (e == cudaSuccess) e = cudaMalloc(&d.scratch, bytes);
+    if (e != cudaSuccess) return CudaErr("the copy engines' scratch buffer", e);
+    d.bytes = bytes;
+  }
+  *out = &d;
   return {};
 }
 
@@ -130,19 +166,40 @@ std::string AsyncEngineIsCopyEngines(bool* ce) {
          "them, a few blocks add them up); fix or unset it (unset: sm)";
 }
 
+std::string CopyEnginePieceBytes(int64_t* bytes) {
+  *bytes = kDefaultPieceBytes;
+  const char* v = std::getenv("JAX_BLINK_CE_PIECE_BYTES");
+  if (v == nullptr || *v == '\0') return {};
+  int64_t b = 0;
+  if (!jbc::ParseByteCount(v, &b) || b < 16)
+    return std::string("JAX_BLINK_CE_PIECE_BYTES='") + v +
+           "' is not understood: it takes a byte count of at least 16, such as 4M or 16M (the pieces the copy "
+           "engines' all-reduce pipelines; unset: " + std::to_string(kDefaultPieceBytes >> 20) + "M)";
+  *bytes = b;
+  return {};
+}
+
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jbc::DType dtype, int32_t op,
-                                 const void* in, void* out, int64_t elems, int esize, int blocks, cudaStream_t side,
-                                 int64_t timeout_ms) {
-  if (nranks < 2 || nranks > 64 || rank < 0 || rank >= nranks) return "bad rank or rank count";
+                                 const void* in, void* out, int64_t elems, int esize, int blocks, int64_t piece_bytes,
+                                 cudaStream_t side, int64_t timeout_ms) {
+  if (nranks < 2 || nranks > kMaxRanks || rank < 0 || rank >= nranks) return "bad rank or rank count";
+  if (blocks < 1 || piece_bytes < 16) return "bad block count or piece size";
   Group& g = *GroupOf(comm_id, nranks);
   const int64_t align = 16 / esize;
   const int64_t c = ((elems + nranks - 1) / nranks + align - 1) / align * align;  // elements per chunk
+  // Elements per piece: a whole number of atoms, and at most kMaxPieces pieces per chunk.
+  const int64_t want = std::max<int64_t>(align, piece_bytes / esize / align * align);
+  const int64_t at_least = ((c + kMaxPieces - 1) / kMaxPieces + align - 1) / align * align;
+  const int64_t pe = std::max(want, at_least);
+  const int pieces = static_cast<int>(std::max<int64_t>(1, (c + pe - 1) / pe));
   auto first = [&](int s) { return std::min<int64_t>(elems, s * c); };
   auto count = [&](int s) { return std::min<int64_t>(elems, (s + 1) * c) - first(s); };
+  // Piece q of chunk s: elements [first(s) + q pe, ...), piece_count of them.
+  auto piece_count = [&](int s, int q) { return std::max<int64_t>(0, std::min<int64_t>(pe, count(s) - q * pe)); };
   const char* x = static_cast<const char*>(in);
   char* y = static_cast<char*>(out);
-  void* scratch = nullptr;
-  if (std::string err = EnsureScratch(device, static_cast<size_t>((nranks - 1) * c * esize), side, &scratch);
+  DeviceState* d = nullptr;
+  if (std::string err = DeviceStateOf(device, nranks - 1, static_cast<size_t>((nranks - 1) * c * esize), side, &d);
       !err.empty())
     return err;
   int64_t call = 0;
@@ -152,8 +209,9 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     Slot& me = g.slots[rank];
     if (me.ready == nullptr) {
       cudaError_t e = cudaEventCreateWithFlags(&me.ready, cudaEventDisableTiming);
-      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&me.reduced, cudaEventDisableTiming);
       if (e == cudaSuccess) e = cudaEventCreateWithFlags(&me.finished, cudaEventDisableTiming);
+      for (int q = 0; q < kMaxPieces && e == cudaSuccess; ++q)
+        e = cudaEventCreateWithFlags(&me.reduced[q], cudaEventDisableTiming);
       if (e != cudaSuccess) return CudaErr("creating the copy engines' events", e);
     }
     me.device = device;
@@ -164,37 +222,60 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     if (e != cudaSuccess) return CudaErr("recording 'ready'", e);
   }
   if (std::string err = Meet(g, 0, rank, call, timeout_ms); !err.empty()) return err;
-  // 2-3: the peers' terms of chunk r, then the reduction in rank order.
-  const void* terms[64];
-  for (int s = 0, k = 0; s < nranks; ++s) {
-    if (s == rank) {
-      terms[s] = x + first(rank) * esize;
-      continue;
-    }
-    char* dst = static_cast<char*>(scratch) + static_cast<int64_t>(k++) * c * esize;
-    terms[s] = dst;
+  const Slot& me = g.slots[rank];
+  // 2: the peers' pieces of chunk r, each peer on its own copy stream.
+  const char* terms[kMaxRanks];  // where each rank's term of chunk r lies on this device
+  terms[rank] = x + first(rank) * esize;
+  for (int i = 1; i < nranks; ++i) {
+    const int s = (rank + i) % nranks;
     const Slot& p = g.slots[s];
-    cudaError_t e = cudaStreamWaitEvent(side, p.ready, 0);
-    if (e == cudaSuccess && count(rank) > 0)
-      e = cudaMemcpyPeerAsync(dst, device, p.in + first(rank) * esize, p.device, count(rank) * esize, side);
+    cudaStream_t cs = d->copy[i - 1];
+    char* dst = static_cast<char*>(d->scratch) + static_cast<int64_t>(i - 1) * c * esize;
+    terms[s] = dst;
+    cudaError_t e = cudaStreamWaitEvent(cs, me.ready, 0);  // after the previous call's reduction
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(cs, p.ready, 0);
+    for (int q = 0; q < pieces && e == cudaSuccess; ++q) {
+      const int64_t off = q * pe * esize, n = piece_count(rank, q);
+      if (n > 0) e = cudaMemcpyPeerAsync(dst + off, device, p.in + first(rank) * esize + off, p.device, n * esize, cs);
+      if (e == cudaSuccess) e = cudaEventRecord(d->piece[(i - 1) * kMaxPieces + q], cs);
+    }
     if (e != cudaSuccess) return CudaErr("copying a peer's term (copy engine)", e);
   }
-  if (std::string err = jbc::LaunchReduceTerms(dtype, op, y + first(rank) * esize, terms, nranks, count(rank), blocks, side);
-      !err.empty())
-    return err;
-  cudaError_t e = cudaEventRecord(g.slots[rank].reduced, side);
-  if (e != cudaSuccess) return CudaErr("recording 'reduced'", e);
+  // 3: each piece reduced as soon as every peer's copy of it is here.
+  for (int q = 0; q < pieces; ++q) {
+    cudaError_t e = cudaSuccess;
+    for (int i = 1; i < nranks && e == cudaSuccess; ++i) e = cudaStreamWaitEvent(side, d->piece[(i - 1) * kMaxPieces + q], 0);
+    if (e != cudaSuccess) return CudaErr("waiting for a peer's term", e);
+    const int64_t off = q * pe * esize, n = piece_count(rank, q);
+    if (n > 0) {
+      const void* piece_terms[kMaxRanks];
+      for (int s = 0; s < nranks; ++s) piece_terms[s] = terms[s] + off;
+      if (std::string err = jbc::LaunchReduceTerms(dtype, op, y + first(rank) * esize + off, piece_terms, nranks, n,
+                                                   blocks, side);
+          !err.empty())
+        return err;
+    }
+    e = cudaEventRecord(me.reduced[q], side);
+    if (e != cudaSuccess) return CudaErr("recording 'reduced'", e);
+  }
   if (std::string err = Meet(g, 1, rank, call, timeout_ms); !err.empty()) return err;
-  // 5: every peer's reduced chunk.
-  for (int s = 0; s < nranks; ++s) {
-    if (s == rank) continue;
+  // 4: every peer's reduced chunk, piece by piece as the peer reduces it.
+  for (int i = 1; i < nranks; ++i) {
+    const int s = (rank + i) % nranks;
     const Slot& p = g.slots[s];
-    e = cudaStreamWaitEvent(side, p.reduced, 0);
-    if (e == cudaSuccess && count(s) > 0)
-      e = cudaMemcpyPeerAsync(y + first(s) * esize, device, p.out + first(s) * esize, p.device, count(s) * esize, side);
+    cudaStream_t cs = d->copy[i - 1];
+    cudaError_t e = cudaSuccess;
+    for (int q = 0; q < pieces && e == cudaSuccess; ++q) {
+      const int64_t off = first(s) * esize + q * pe * esize, n = piece_count(s, q);
+      e = cudaStreamWaitEvent(cs, p.reduced[q], 0);
+      if (e == cudaSuccess && n > 0) e = cudaMemcpyPeerAsync(y + off, device, p.out + off, p.device, n * esize, cs);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(d->gathered[i - 1], cs);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(side, d->gathered[i - 1], 0);
     if (e != cudaSuccess) return CudaErr("copying a peer's reduced chunk (copy engine)", e);
   }
-  e = cudaEventRecord(g.slots[rank].finished, side);
+  // 5.
+  cudaError_t e = cudaEventRecord(me.finished, side);
   if (e != cudaSuccess) return CudaErr("recording 'finished'", e);
   if (std::string err = Meet(g, 2, rank, call, timeout_ms); !err.empty()) return err;
   for (int s = 0; s < nranks; ++s) {
@@ -203,6 +284,28 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     if (e != cudaSuccess) return CudaErr("waiting for a peer's copies", e);
   }
   return {};
+}
+
+std::string ResetCopyEngines() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  int saved = -1;
+  cudaGetDevice(&saved);
+  std::string err;
+  for (auto& [comm_id, g] : g_groups) {
+    std::lock_guard<std::mutex> group_lock(g->mu);
+    for (Slot& s : g->slots) {
+      if (s.ready == nullptr) continue;
+      cudaError_t e = cudaSetDevice(s.device);
+      for (cudaEvent_t ev : {s.ready, s.finished})
+        if (e == cudaSuccess) e = cudaEventDestroy(ev);
+      for (cudaEvent_t ev : s.reduced)
+        if (e == cudaSuccess) e = cudaEventDestroy(ev);
+      if (e != cudaSuccess && err.empty()) err = CudaErr("releasing the copy engines' events", e);
+    }
+  }
+  g_groups.clear();
+  if (saved >= 0) cudaSetDevice(saved);
+  return err;
 }
 
 }  // namespace jax_blink::cuda_async

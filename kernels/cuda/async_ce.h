@@ -1,5 +1,5 @@
 // The copy-engine form of the asynchronous all-reduce (cuda/async_ce.cc), chosen by
-// JAX_BLINK_ASYNC_ENGINE=ce: what async_ffi.cc's start handler calls.
+// JAX_BLINK_ASYNC_ENGINE=ce when a site is set up: what async_ffi.cc's start handler calls.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -15,15 +15,26 @@ namespace jax_blink::cuda_async {
 // engines); anything else -> an error message naming the value and what it takes.
 std::string AsyncEngineIsCopyEngines(bool* ce);
 
+// The pieces each chunk is cut into, so that reductions and copies overlap.
+constexpr int64_t kDefaultPieceBytes = int64_t{16} << 20;
+// JAX_BLINK_CE_PIECE_BYTES (unset: kDefaultPieceBytes) -> "" or an error message.
+std::string CopyEnginePieceBytes(int64_t* bytes);
+
 // One call of rank `rank` of `nranks` (one process, one GPU each) of collective `comm_id`:
-// reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync) and
-// whose reduction is a small kernel (`blocks` blocks), all enqueued on `side`, which must already
-// follow XLA's stream. The ranks meet on the host three times per call (every wait within
-// `timeout_ms`), so that each waits on its peers' events of the same call. `in` and `out` must stay
+// reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one
+// stream per peer, in pieces of about `piece_bytes`) and whose reduction is a kernel of `blocks`
+// blocks, all ordered by `side`, which must already follow XLA's stream. The ranks meet on the
+// host three times per call (every wait within `timeout_ms`), so that each waits on its peers'
+// events of the same call. `in` and `out` must stay
 // untouched until `side` has passed what this enqueues. Returns "" or an error; after a rank
 // timed out the collective fails from then on.
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jax_blink::cuda::DType dtype,
                                  int32_t op, const void* in, void* out, int64_t elems, int esize, int blocks,
-                                 cudaStream_t side, int64_t timeout_ms);
+                                 int64_t piece_bytes, cudaStream_t side, int64_t timeout_ms);
+
+// Forgets every copy-engine collective (its call counts, a recorded time-out, its events), so that
+// the next call starts afresh. Only when no collective runs (module reset(), after every GPU has
+// been waited for).
+std::string ResetCopyEngines();
 
 }  // namespace jax_blink::cuda_async

@@ -26,9 +26,10 @@
 // third communicator (lane 2) with the executor's whole grid; it is serialised behind the small
 // ones on the same side stream, so no two spinning grids of this device run at once.
 //
-// With JAX_BLINK_ASYNC_ENGINE=ce the start enqueues the copy-engine form instead of the kernel
-// (cuda/async_ce.cc: peer copies and a small reduction on the same side stream; it meets the other
-// ranks on the host, so g_mu is released around it).
+// A site set up with JAX_BLINK_ASYNC_ENGINE=ce enqueues the copy-engine form instead of the kernel
+// (cuda/async_ce.cc: peer copies on copy streams and a reduction, ordered by the side stream; it
+// meets the other ranks on the host, so g_mu is released around it). Like the executor's knobs,
+// the engine, its grid and its pieces are read once, when the site is set up.
 //
 // Neither handler claims the command-buffer trait: XLA then never captures them into a CUDA graph
 // (the host work here must run at every call: the event record, the FIFO).
@@ -93,6 +94,14 @@ std::mutex g_mu;  // uncontended: XLA drives each device from one thread
 std::map<int, DeviceLane> g_lanes;
 std::map<std::pair<int64_t, int>, std::deque<cudaEvent_t>> g_in_flight;
 
+// What a site's starts run on, read from the environment at its first start (per comm_id).
+struct Engine {
+  bool ce = false;          // copy engines (JAX_BLINK_ASYNC_ENGINE=ce) or the executor's kernel
+  int blocks = 0;           // the copy engines' reduction grid
+  int64_t piece_bytes = 0;  // the copy engines' pieces
+};
+std::map<int64_t, Engine> g_engines;
+
 std::string CudaErr(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
@@ -133,6 +142,25 @@ std::string TakeEventLocked(int device, DeviceLane& lane, cudaEvent_t* ev) {
   cudaError_t e = cudaSetDevice(device);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
   return e == cudaSuccess ? std::string() : CudaErr("creating an event", e);
+}
+
+// The engine of site `comm_id` (read at its first start). Caller holds g_mu.
+std::string EngineLocked(int64_t comm_id, int device, bool full_grid, Engine* out) {
+  auto it = g_engines.find(comm_id);
+  if (it != g_engines.end()) {
+    *out = it->second;
+    return {};
+  }
+  Engine e;
+  if (std::string err = AsyncEngineIsCopyEngines(&e.ce); !err.empty()) return err;
+  if (std::string err = CopyEnginePieceBytes(&e.piece_bytes); !err.empty()) return err;
+  if (std::string err = AsyncBlocks(&e.blocks); !err.empty()) return err;
+  if (full_grid) {  // the last bucket: nothing left to overlap, so a reduction on every SM
+    const cudaError_t c = cudaDeviceGetAttribute(&e.blocks, cudaDevAttrMultiProcessorCount, device);
+    if (c != cudaSuccess) return CudaErr("reading the SM count", c);
+  }
+  *out = g_engines[comm_id] = e;
+  return {};
 }
 
 // The site of (comm_id, device) on the asynchronous communicator; made at its first call (reads
@@ -197,10 +225,10 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     cudaError_t e = cudaMemcpyAsync(passed->untyped_data(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, device, comm_id, CudaErr("copying the operand", e));
   }
-  bool ce = false;
-  if (std::string err = AsyncEngineIsCopyEngines(&ce); !err.empty())
-    return Fail(ffi::ErrorCode::kInvalidArgument, device, comm_id, err);
   std::unique_lock<std::mutex> lock(g_mu);
+  Engine engine;
+  if (std::string err = EngineLocked(comm_id, device, full_grid != 0, &engine); !err.empty())
+    return Fail(ffi::ErrorCode::kInvalidArgument, device, comm_id, err);
   if (g_in_flight[{comm_id, device}].size() >= kMaxInFlight)
     return Fail(ffi::ErrorCode::kResourceExhausted, device, comm_id,
                 std::to_string(g_in_flight[{comm_id, device}].size()) +
@@ -222,15 +250,13 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     return Fail(ffi::ErrorCode::kInternal, device, comm_id, CudaErr("forking the side stream", e));
   }
   std::string launched;
-  if (ce) {
+  if (engine.ce) {
     // The copy engines' form meets the other ranks on the host: never while holding g_mu, which
     // their own starts need. Only this device's thread uses this side stream meanwhile.
     lock.unlock();
-    int blocks = 0;
-    AsyncBlocks(&blocks);
     launched = StartWithCopyEngines(comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op,
                                     x.untyped_data(), out->untyped_data(), static_cast<int64_t>(x.element_count()),
-                                    esize, blocks, lane->side, timeout_ms);
+                                    esize, engine.blocks, engine.piece_bytes, lane->side, timeout_ms);
     lock.lock();
   } else {
     launched = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), lane->side, timeout_ms);

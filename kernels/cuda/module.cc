@@ -47,6 +47,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/async_ce.h"   // its copy-engine form: ResetCopyEngines
 #include "cuda/async_ffi.h"  // the asynchronous form: jax_blink_start / jax_blink_done
 #include "cuda/executor.h"
 #include "cuda/gpu_binding.h"
@@ -424,10 +425,13 @@ NB_MODULE(_blink_cuda, m) {
         if (!err.empty()) throw std::runtime_error(err);
         err = jax_blink::cuda_ipc::ReleaseFailed();  // a failed IPC collective stays failed and holds no memory
         if (!err.empty()) throw std::runtime_error(err);
+        err = jax_blink::cuda_async::ResetCopyEngines();  // a timed-out copy-engine collective starts afresh
+        if (!err.empty()) throw std::runtime_error(err);
       },
       "Wait for every GPU with collective state, then clear every error record and restart every "
-      "collective's call count on every rank; a CUDA IPC collective that failed keeps failing, and "
-      "its memory and its mappings of the peers' memory are released. Call it only when no "
+      "collective's call count on every rank (a copy-engine collective that timed out starts afresh); a "
+      "CUDA IPC collective that failed keeps failing, and its memory and its mappings of the peers' memory "
+      "are released. Call it only when no "
       "collective is running.");
 
   m.def(

@@ -159,3 +159,44 @@ def test_copy_engine_value_not_understood(monkeypatch):
 
     with override(dispatch="blink"), pytest.raises(Exception, match=r"JAX_BLINK_ASYNC_ENGINE='dma' is not understood"):
         np.asarray(f(x))
+
+
+@pytest.mark.parametrize("piece", ["16K", "1M"])
+@pytest.mark.parametrize("full_grid", [False, True])
+def test_copy_engine_pieces(piece, full_grid, monkeypatch):
+    """The copy engines' chunks cut into pieces (16K: the most pieces, 16 per chunk, with a ragged
+    last one; 1M: one piece per chunk here), the reduction on a small or the whole grid: equal to
+    psum exactly (int32), on fresh random data, after a call that wrote other values into the
+    same program's outputs."""
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
+    monkeypatch.setenv("JAX_BLINK_CE_PIECE_BYTES", piece)
+    n = len(GPUS)
+    rng = np.random.default_rng(23)
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    def f(v):
+        return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v[0], "data", full_grid=full_grid))
+
+    shape = (n, (1 << 20) + 13)
+    with override(dispatch="blink"):
+        f(_sharded(rng.integers(-9, 9, shape).astype(np.int32)))  # another result first, then fresh data
+        for _ in range(2):
+            x = rng.integers(-1000, 1000, shape).astype(np.int32)
+            np.testing.assert_array_equal(np.asarray(f(_sharded(x))), x.sum(0))
+    jax_blink.check()
+    assert _blink_cuda.async_in_flight() == 0
+
+
+def test_copy_engine_piece_bytes_not_understood(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
+    monkeypatch.setenv("JAX_BLINK_CE_PIECE_BYTES", "lots")
+    x = _sharded(np.ones((len(GPUS), 64), np.float32))
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    def f(v):
+        return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v[0], "data"))
+
+    with override(dispatch="blink"), pytest.raises(Exception, match=r"JAX_BLINK_CE_PIECE_BYTES='lots' is not understood"):
+        np.asarray(f(x))

@@ -1,0 +1,48 @@
+"""benchmarks/ce_sweep.py without a GPU: its shipped variants parse under distinct names and set
+only jax_blink's variables, its table names every number, bad arguments are refused naming the
+option, and on CPU host devices it stops with what it needs instead of a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import ce_sweep as sweep  # noqa: E402
+
+
+def test_shipped_variants_parse():
+    parsed = [sweep.parse_config(t) for t in sweep.DEFAULT_CONFIGS]
+    assert len({name for name, _ in parsed}) == len(parsed)
+    assert all(env.get("JAX_BLINK_ASYNC_ENGINE") in ("ce", "sm") for _, env in parsed)
+
+
+def test_table_says_what_each_number_is():
+    row = dict(bytes_per_rank=1 << 30, n=4, variant="ce-16M", time_us=4101.5, psum_time_us=4627.7, speedup=1.128,
+               busbw=392.6, spread=0.004, psum_spread=0.01, rel_diff=1.6e-7)
+    text = sweep.table([row, {**row, "bytes_per_rank": 16 << 20}])
+    assert "time (us, measured)" in text and "psum (us, measured)" in text and "busbw (GB/s)" in text
+    assert "| 1024 MiB x 4 | ce-16M | 4101.5 | 4627.7 | 1.128 | 392.6 | 0% / 1% | 1.6e-07 |" in text
+    assert "| 16 MiB x 4 |" in text
+
+
+def test_refuses_cpu_devices_with_what_it_needs():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "ce_sweep.py"), "--sizes", "1M"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "needs 2 or more GPUs" in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,named", [(["--sizes", "512"], "--sizes"), (["--sizes", "1.5M"], "--sizes"),
+                                        (["--chain", "0"], "--chain"), (["--runs", "x"], "--runs"),
+                                        (["--config", "bad"], "--config")])
+def test_bad_arguments_are_refused(args, named):
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "ce_sweep.py"), *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr

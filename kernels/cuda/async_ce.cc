@@ -7,22 +7,27 @@
 //
 // One call, rank r of n, chunk s = elements [s c, (s + 1) c) (c a whole number of 16-byte atoms),
 // each chunk cut into Q pieces (piece_bytes each, at most kMaxPieces):
-//   1. record `ready` on the side stream (x is written); meet the peers (phase 0);
+//   1. record `ready` on the side stream (x is written, out is free); meet the peers (phase 0);
 //   2. per peer, on a copy stream of its own (so that several copy engines run at once; peer r + i
-//      first, so that no rank is every reader's first source): copy the peer's pieces of chunk r
-//      into this device's scratch, one event per piece;
+//      first, so that no rank is every reader's first source), after the peer's `ready`: pull the
+//      peer's pieces of chunk r into this device's scratch, one event per piece;
 //   3. on the side stream, per piece: wait for every peer's copy of it, reduce it in rank order
-//      into out (this rank's term from x), record `reduced[q]`; meet (phase 1);
-//   4. per peer, on its copy stream: copy each piece of the peer's reduced chunk into out as soon
-//      as the peer's `reduced[q]` has passed (the all-gather overlaps the last reductions);
+//      into out (this rank's term from x), record `reduced[q]`;
+//   4. the all-gather, per peer on its copy stream, one of two ways (JAX_BLINK_CE_GATHER):
+//      pull (default): meet (phase 1), then copy each piece of the peer's reduced chunk into out
+//        once the peer's `reduced[q]` has passed;
+//      push: copy each reduced piece of chunk r into the peer's out (free since the peer's
+//        `ready`) once this rank's `reduced[q]` has passed: no meeting, no wait on a peer's event
+//        per piece, but the copy engines write across NVLink instead of reading;
 //   5. the side stream waits for its copy streams, records `finished`; meet (phase 2); waits for
-//      every peer's `finished`: no peer reads this rank's x or out once the side stream passes.
+//      every peer's `finished`: every copy into this out has landed, and no peer reads this x or
+//      out any more, once the side stream passes here.
 // Why the events are the right ones: a rank records call k + 1's events only after phase 2 of
-// call k, which every peer reaches only after it enqueued its waits on call k's events (steps 2
-// and 4; a wait captures the event's record at the time it is enqueued). Every rank makes its
-// calls in program order, so the k-th call of every rank is the same call. The copy streams start
-// after `ready` and end before `finished` on the side stream: the scratch and the events of one
-// device are never used by two calls at once.
+// call k, which every peer reaches only after it enqueued its waits on call k's events
+// (a wait captures the event's record at the time it is enqueued). Every rank makes its calls in
+// program order, so the k-th call of every rank is the same call. The copy streams start after
+// `ready` and end before `finished` on the side stream: the scratch and the events of one device
+// are never used by two calls at once.
 #include "cuda/async_ce.h"
 
 #include <strings.h>
@@ -50,7 +55,7 @@ struct Slot {  // one rank's part of the current call, published before it meets
   const char* in = nullptr;
   char* out = nullptr;
   cudaEvent_t ready = nullptr, finished = nullptr;
-  cudaEvent_t reduced[kMaxPieces] = {};
+  cudaEvent_t reduced[kMaxPieces] = {};  // piece q of this rank's chunk is reduced
   int64_t calls = 0;
 };
 
@@ -70,7 +75,7 @@ struct DeviceState {
   size_t bytes = 0;
   std::vector<cudaStream_t> copy;     // copy[i - 1]: the stream of peer rank + i
   std::vector<cudaEvent_t> piece;     // piece[(i - 1) * kMaxPieces + q]: peer i's piece q is here
-  std::vector<cudaEvent_t> gathered;  // gathered[i - 1]: peer i's reduced chunk is here
+  std::vector<cudaEvent_t> gathered;  // gathered[i - 1]: this rank's all-gather copies with peer i are done
 };
 
 std::mutex g_mu;  // the maps below (a group's own fields: its mutex)
@@ -179,9 +184,22 @@ std::string CopyEnginePieceBytes(int64_t* bytes) {
   return {};
 }
 
+std::string CopyEngineGatherPushes(bool* push) {
+  const char* v = std::getenv("JAX_BLINK_CE_GATHER");
+  *push = false;
+  if (v == nullptr || *v == '\0' || strcasecmp(v, "pull") == 0) return {};
+  if (strcasecmp(v, "push") == 0) {
+    *push = true;
+    return {};
+  }
+  return std::string("JAX_BLINK_CE_GATHER='") + v +
+         "' is not understood: it takes pull (each rank reads its peers' reduced chunks) or push (each rank writes "
+         "its reduced chunk into its peers); fix or unset it (unset: pull)";
+}
+
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jbc::DType dtype, int32_t op,
                                  const void* in, void* out, int64_t elems, int esize, int blocks, int64_t piece_bytes,
-                                 cudaStream_t side, int64_t timeout_ms) {
+                                 bool push, cudaStream_t side, int64_t timeout_ms) {
   if (nranks < 2 || nranks > kMaxRanks || rank < 0 || rank >= nranks) return "bad rank or rank count";
   if (blocks < 1 || piece_bytes < 16) return "bad block count or piece size";
   Group& g = *GroupOf(comm_id, nranks);
@@ -258,21 +276,28 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     e = cudaEventRecord(me.reduced[q], side);
     if (e != cudaSuccess) return CudaErr("recording 'reduced'", e);
   }
-  if (std::string err = Meet(g, 1, rank, call, timeout_ms); !err.empty()) return err;
-  // 4: every peer's reduced chunk, piece by piece as the peer reduces it.
+  // 4: the all-gather, piece by piece.
+  if (!push)
+    if (std::string err = Meet(g, 1, rank, call, timeout_ms); !err.empty()) return err;
   for (int i = 1; i < nranks; ++i) {
     const int s = (rank + i) % nranks;
     const Slot& p = g.slots[s];
     cudaStream_t cs = d->copy[i - 1];
     cudaError_t e = cudaSuccess;
     for (int q = 0; q < pieces && e == cudaSuccess; ++q) {
-      const int64_t off = first(s) * esize + q * pe * esize, n = piece_count(s, q);
-      e = cudaStreamWaitEvent(cs, p.reduced[q], 0);
-      if (e == cudaSuccess && n > 0) e = cudaMemcpyPeerAsync(y + off, device, p.out + off, p.device, n * esize, cs);
+      if (push) {  // this rank's reduced piece into the peer's out
+        const int64_t off = first(rank) * esize + q * pe * esize, n = piece_count(rank, q);
+        e = cudaStreamWaitEvent(cs, me.reduced[q], 0);
+        if (e == cudaSuccess && n > 0) e = cudaMemcpyPeerAsync(p.out + off, p.device, y + off, device, n * esize, cs);
+      } else {  // the peer's reduced piece into this out
+        const int64_t off = first(s) * esize + q * pe * esize, n = piece_count(s, q);
+        e = cudaStreamWaitEvent(cs, p.reduced[q], 0);
+        if (e == cudaSuccess && n > 0) e = cudaMemcpyPeerAsync(y + off, device, p.out + off, p.device, n * esize, cs);
+      }
     }
     if (e == cudaSuccess) e = cudaEventRecord(d->gathered[i - 1], cs);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(side, d->gathered[i - 1], 0);
-    if (e != cudaSuccess) return CudaErr("copying a peer's reduced chunk (copy engine)", e);
+    if (e != cudaSuccess) return CudaErr("the all-gather's copies (copy engine)", e);
   }
   // 5.
   cudaError_t e = cudaEventRecord(me.finished, side);

@@ -19,10 +19,13 @@ std::string AsyncEngineIsCopyEngines(bool* ce);
 constexpr int64_t kDefaultPieceBytes = int64_t{16} << 20;
 // JAX_BLINK_CE_PIECE_BYTES (unset: kDefaultPieceBytes) -> "" or an error message.
 std::string CopyEnginePieceBytes(int64_t* bytes);
+// JAX_BLINK_CE_GATHER: unset, "" or "pull" -> false, "push" -> true; else an error message.
+std::string CopyEngineGatherPushes(bool* push);
 
 // One call of rank `rank` of `nranks` (one process, one GPU each) of collective `comm_id`:
 // reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one
-// stream per peer, in pieces of about `piece_bytes`) and whose reduction is a kernel of `blocks`
+// stream per peer, in pieces of about `piece_bytes`; the all-gather pulls or, with `push`, pushes)
+// and whose reduction is a kernel of `blocks`
 // blocks, all ordered by `side`, which must already follow XLA's stream. The ranks meet on the
 // host three times per call (every wait within `timeout_ms`), so that each waits on its peers'
 // events of the same call. `in` and `out` must stay
@@ -30,7 +33,7 @@ std::string CopyEnginePieceBytes(int64_t* bytes);
 // timed out the collective fails from then on.
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jax_blink::cuda::DType dtype,
                                  int32_t op, const void* in, void* out, int64_t elems, int esize, int blocks,
-                                 int64_t piece_bytes, cudaStream_t side, int64_t timeout_ms);
+                                 int64_t piece_bytes, bool push, cudaStream_t side, int64_t timeout_ms);
 
 // Forgets every copy-engine collective (its call counts, a recorded time-out, its events), so that
 // the next call starts afresh. Only when no collective runs (module reset(), after every GPU has

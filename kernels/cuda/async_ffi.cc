@@ -99,6 +99,7 @@ struct Engine {
   bool ce = false;          // copy engines (JAX_BLINK_ASYNC_ENGINE=ce) or the executor's kernel
   int blocks = 0;           // the copy engines' reduction grid
   int64_t piece_bytes = 0;  // the copy engines' pieces
+  bool push = false;        // the copy engines' all-gather writes into the peers
 };
 std::map<int64_t, Engine> g_engines;
 
@@ -154,6 +155,7 @@ std::string EngineLocked(int64_t comm_id, int device, bool full_grid, Engine* ou
   Engine e;
   if (std::string err = AsyncEngineIsCopyEngines(&e.ce); !err.empty()) return err;
   if (std::string err = CopyEnginePieceBytes(&e.piece_bytes); !err.empty()) return err;
+  if (std::string err = CopyEngineGatherPushes(&e.push); !err.empty()) return err;
   if (std::string err = AsyncBlocks(&e.blocks); !err.empty()) return err;
   if (full_grid) {  // the last bucket: nothing left to overlap, so a reduction on every SM
     const cudaError_t c = cudaDeviceGetAttribute(&e.blocks, cudaDevAttrMultiProcessorCount, device);
@@ -256,7 +258,7 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     lock.unlock();
     launched = StartWithCopyEngines(comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op,
                                     x.untyped_data(), out->untyped_data(), static_cast<int64_t>(x.element_count()),
-                                    esize, engine.blocks, engine.piece_bytes, lane->side, timeout_ms);
+                                    esize, engine.blocks, engine.piece_bytes, engine.push, lane->side, timeout_ms);
     lock.lock();
   } else {
     launched = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), lane->side, timeout_ms);

@@ -161,15 +161,17 @@ def test_copy_engine_value_not_understood(monkeypatch):
         np.asarray(f(x))
 
 
-@pytest.mark.parametrize("piece", ["16K", "1M"])
+@pytest.mark.parametrize("piece,gather", [("16K", "pull"), ("1M", "pull"), ("16K", "push"), ("1M", "push")])
 @pytest.mark.parametrize("full_grid", [False, True])
-def test_copy_engine_pieces(piece, full_grid, monkeypatch):
+def test_copy_engine_pieces(piece, gather, full_grid, monkeypatch):
     """The copy engines' chunks cut into pieces (16K: the most pieces, 16 per chunk, with a ragged
-    last one; 1M: one piece per chunk here), the reduction on a small or the whole grid: equal to
+    last one; 1M: one piece per chunk here), the all-gather pulled or pushed, the reduction on a
+    small or the whole grid: equal to
     psum exactly (int32), on fresh random data, after a call that wrote other values into the
     same program's outputs."""
     monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
     monkeypatch.setenv("JAX_BLINK_CE_PIECE_BYTES", piece)
+    monkeypatch.setenv("JAX_BLINK_CE_GATHER", gather)
     n = len(GPUS)
     rng = np.random.default_rng(23)
 
@@ -199,4 +201,18 @@ def test_copy_engine_piece_bytes_not_understood(monkeypatch):
         return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v[0], "data"))
 
     with override(dispatch="blink"), pytest.raises(Exception, match=r"JAX_BLINK_CE_PIECE_BYTES='lots' is not understood"):
+        np.asarray(f(x))
+
+
+def test_copy_engine_gather_not_understood(monkeypatch):
+    monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
+    monkeypatch.setenv("JAX_BLINK_CE_GATHER", "scatter")
+    x = _sharded(np.ones((len(GPUS), 64), np.float32))
+
+    @jax.jit
+    @jax.shard_map(mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    def f(v):
+        return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v[0], "data"))
+
+    with override(dispatch="blink"), pytest.raises(Exception, match=r"JAX_BLINK_CE_GATHER='scatter' is not understood"):
         np.asarray(f(x))

@@ -270,6 +270,7 @@ struct Site {
   Comm* comm = nullptr;
   int rank = 0, nranks = 0, device = 0, esize = 0, grid = 1;
   bool host_ce = false;  // kHybrid through copy engines (Launch enqueues the copies)
+  bool twoshot_ce = false;  // kTwoShot whose caller runs the copy engines' form (JAX_BLINK_TWOSHOT_ENGINE=ce)
   Mode mode = Mode::kTree;
   int64_t total = 0, units = 0;
   std::vector<int32_t> words;
@@ -439,6 +440,10 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
 int64_t DefaultTwoShotMin() { return EnvBytes("JAX_BLINK_TWOSHOT_MIN_BYTES", kDefaultTwoShotMinBytes); }
 int64_t TwoShotPieceBytes() { return std::max<int64_t>(16, EnvBytes("JAX_BLINK_TWOSHOT_PIECE_BYTES", kTwoShotPieceBytes)); }
+bool TwoShotOnCopyEngines() {  // JAX_BLINK_TWOSHOT_ENGINE: sm (the kernel, default) or ce (copy engines)
+  const char* e = EnvValue("JAX_BLINK_TWOSHOT_ENGINE");
+  return e != nullptr && strcasecmp(e, "ce") == 0;
+}
 bool TwoShotPullAlways() {  // JAX_BLINK_TWOSHOT_MODE: auto (push unless an operand aliases its result) or pull
   const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE");
   return e != nullptr && strcasecmp(e, "pull") == 0;
@@ -1148,6 +1153,7 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   sites->assign(n, nullptr);
   for (int r = 0; r < n; ++r) {
     std::unique_ptr<Site> s = NewRankSite(comm, prog, r, devices[r], esize, mode, host.ce, base, layout, mem[r]);
+    s->twoshot_ce = mode == Mode::kTwoShot && TwoShotOnCopyEngines();
     s->words.assign(program, program + len);
     (*sites)[r] = s.get();
     comm->sites.push_back(s.get());
@@ -1288,6 +1294,7 @@ std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const
 int SiteRank(const Site* s) { return s->rank; }
 int SiteRanks(const Site* s) { return s->nranks; }
 int SiteEsize(const Site* s) { return s->esize; }
+bool SiteTwoShotOnCopyEngines(const Site* s) { return s->twoshot_ce; }
 int64_t SiteTotalElems(const Site* s) { return s->total; }
 int64_t SiteUnits(const Site* s) { return s->units; }
 int SiteGrid(const Site* s) { return s->grid; }
@@ -1616,6 +1623,8 @@ std::string CheckEnvironment() {
     bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
   if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
     bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
+  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_ENGINE"); e != nullptr && strcasecmp(e, "sm") != 0 && strcasecmp(e, "ce") != 0)
+    bad("JAX_BLINK_TWOSHOT_ENGINE", "sm (the two-shot kernel) or ce (copy engines move the bytes, a kernel adds them up)");
   if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE"); e != nullptr && strcasecmp(e, "auto") != 0 && strcasecmp(e, "pull") != 0)
     bad("JAX_BLINK_TWOSHOT_MODE", "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
   return err;

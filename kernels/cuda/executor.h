@@ -113,6 +113,9 @@ int SiteRank(const Site* s);
 int SiteRanks(const Site* s);
 int SiteEsize(const Site* s);
 int64_t SiteTotalElems(const Site* s);
+// True for a two-shot site set up with JAX_BLINK_TWOSHOT_ENGINE=ce: its caller runs the copy
+// engines' form (cuda/async_ce.h) on the call's stream instead of Launch.
+bool SiteTwoShotOnCopyEngines(const Site* s);
 // True when (program, len) equals the site's program (fast when the pointer repeats).
 bool SiteProgramMatches(Site* s, const int32_t* program, int64_t len);
 

@@ -47,7 +47,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda/async_ce.h"   // its copy-engine form: ResetCopyEngines
+#include "cuda/async_ce.h"   // the copy engines' form: two-shot sites with JAX_BLINK_TWOSHOT_ENGINE=ce, ResetCopyEngines
 #include "cuda/async_ffi.h"  // the asynchronous form: jax_blink_start / jax_blink_done
 #include "cuda/executor.h"
 #include "cuda/gpu_binding.h"
@@ -240,7 +240,29 @@ ffi::Error LaunchOnSite(jbc::Site* site, int32_t device, int64_t comm_id, jbc::D
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       Where(device, comm_id) + "the operand has " + std::to_string(x.element_count()) +
                           " elements, the program " + std::to_string(jbc::SiteTotalElems(site)));
-  std::string err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);
+  std::string err;
+  if (jbc::SiteTwoShotOnCopyEngines(site)) {
+    // The copy engines' reduce-scatter and all-gather on this stream, the reduction on every SM.
+    // It meets the other ranks on the host at every call, so it cannot be captured.
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        Where(device, comm_id) + "JAX_BLINK_TWOSHOT_ENGINE=ce cannot run inside a command buffer "
+                                                 "(its ranks meet on the host at every call)");
+    int blocks = 0;
+    int64_t piece_bytes = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal, Where(device, comm_id) + "reading the SM count: " + cudaGetErrorString(e));
+    err = jax_blink::cuda_async::CopyEnginePieceBytes(&piece_bytes);
+    if (err.empty())
+      err = jax_blink::cuda_async::StartWithCopyEngines(
+          comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op, x.untyped_data(), out->untyped_data(),
+          static_cast<int64_t>(x.element_count()), jbc::SiteEsize(site), blocks, piece_bytes, false, stream, timeout_ms);
+    if (!err.empty()) err = Where(device, comm_id) + err;
+  } else {
+    err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);
+  }
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
   return ffi::Error::Success();
 }

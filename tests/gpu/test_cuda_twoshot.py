@@ -121,13 +121,16 @@ def test_two_shot_stays_off_below_its_size(monkeypatch):
                                  {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
                                  {"JAX_BLINK_TWOSHOT_REDUCERS": "0"}, {"JAX_BLINK_TWOSHOT_REDUCERS": "1"},
                                  {"JAX_BLINK_TWOSHOT_REDUCERS": "1000", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"},
-                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_REDUCERS": "0"}],
+                                 {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_REDUCERS": "0"},
+                                 {"JAX_BLINK_TWOSHOT_ENGINE": "ce"},
+                                 {"JAX_BLINK_TWOSHOT_ENGINE": "ce", "JAX_BLINK_CE_PIECE_BYTES": "64K"}],
                          ids=["pull", "pieces16K", "pieces4M", "pull-pieces16K", "reducers0", "reducers1",
-                              "reducers-most-pieces16K", "pull-reducers0"])
+                              "reducers-most-pieces16K", "pull-reducers0", "copy-engines", "copy-engines-pieces64K"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_shot_knobs_keep_the_result(env, dtype, monkeypatch):
-    """JAX_BLINK_TWOSHOT_MODE=pull (remote reads in every call), the piece size and the reducing
-    blocks (JAX_BLINK_TWOSHOT_REDUCERS: none, one, as many as allowed) change how the bytes move,
+    """JAX_BLINK_TWOSHOT_MODE=pull (remote reads in every call), the piece size, the reducing
+    blocks (JAX_BLINK_TWOSHOT_REDUCERS: none, one, as many as allowed) and the copy engines
+    (JAX_BLINK_TWOSHOT_ENGINE=ce, one or many pieces per chunk) change how the bytes move,
     never the result: every rank's bits equal the default kernel's (same terms, same
     order), within one rounding of the exact sum (numpy, float64: the kernel sums in float32 and
     rounds once; psum's bfloat16 ring rounds at every hop, so it is no reference at this size)."""
@@ -148,3 +151,23 @@ def test_two_shot_knobs_keep_the_result(env, dtype, monkeypatch):
     exact = np.tile(x.reshape(n, n_per).sum(axis=0), n)
     rtol = 2.0 ** -8 if dtype == "bfloat16" else 1e-6  # one rounding of the result (bfloat16: 8 bits)
     np.testing.assert_allclose(got.astype(np.float64), exact, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("op", [0, 1])
+@pytest.mark.parametrize("alias", [False, True], ids=["apart", "aliased"])
+def test_two_shot_on_copy_engines_matches_lax(n, op, alias, monkeypatch):
+    """JAX_BLINK_TWOSHOT_ENGINE=ce: the two-shot sites run the copy engines' form on XLA's stream,
+    with the operand apart from or aliased to the result, three sites one after another on fresh
+    data (the per-device copy streams, scratch and events are reused across them): equal to lax
+    exactly (int32, a ragged size)."""
+    if len(_gpus()) < n:
+        pytest.skip(f"needs {n} GPUs")
+    _register()
+    monkeypatch.setenv("JAX_BLINK_TWOSHOT_MIN_BYTES", "64K")
+    monkeypatch.setenv("JAX_BLINK_TWOSHOT_ENGINE", "ce")
+    monkeypatch.setenv("JAX_BLINK_CE_PIECE_BYTES", "256K")
+    for seed in range(3):
+        got, want = _run(n, 777_777, "int32", op, alias, seed=1000 + seed)
+        _blink_cuda.check()
+        np.testing.assert_array_equal(got, want)

@@ -1,13 +1,16 @@
 """Faults injected into the multi-device paths: each must end in a clear error within the time
 budget, and a new call after ``jax_blink.reset()`` must work again.
 
-    python benchmarks/gpu_faults.py [--platform gpu|cpu] [--cases skip,never,unmapped,setup,kill,shape]
+    python benchmarks/gpu_faults.py [--platform gpu|cpu] [--cases skip,skip-ce,never,unmapped,setup,kill,shape]
         [--processes 4] [--timeout-s 2] [--setup-timeout-s 4] [--out faults.json]
 
 Cases (the last of ``--processes`` is the faulty rank or process, the others survivors):
 
   skip      one process, every local device (up to 4): the last rank skips an all_reduce under
             ``lax.cond`` (the executor's own test of a rank that skips a call).
+  skip-ce   the same with the all-reduce on copy engines (``JAX_BLINK_TWOSHOT_ENGINE=ce`` and the
+            two-shot sizes from 1 KiB; 3+ GPUs): the ranks that call wait for the skipping one
+            on the host, not in a kernel.
   never     a job of N processes (CUDA IPC on GPUs, shared memory on CPU): after two good calls
             the last process never makes call 3 (it stays alive); the others make calls 3 and 4.
   unmapped  the last process frees its regions early (``ipc_release()``: its IPC memory, which
@@ -50,8 +53,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 import children  # noqa: E402  (tests/helpers/children.py: GPU count, bounded children)
 
-CASES = ("skip", "never", "unmapped", "setup", "kill", "shape")
-IPC_CASES = CASES[1:]
+CASES = ("skip", "skip-ce", "never", "unmapped", "setup", "kill", "shape")
+ONE_PROCESS_CASES = ("skip", "skip-ce")
+IPC_CASES = tuple(c for c in CASES if c not in ONE_PROCESS_CASES)
 #: Cases that share one job, in this order (the killed process last); the others get a job each.
 SHARED_JOB = ("never", "unmapped", "setup", "kill")
 #: Slack on top of the budget: the error's way back through XLA, a loaded machine.
@@ -121,7 +125,9 @@ def _call(fn, x, want, deadline_s: float, what: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Case "skip": one process, several devices.
 
-def child_one_process(timeout_s: float) -> dict:
+def child_one_process(timeout_s: float, case: str = "skip") -> dict:
+    if case == "skip-ce":  # read when the sites are set up, so before any call
+        os.environ.update(JAX_BLINK_TWOSHOT_ENGINE="ce", JAX_BLINK_TWOSHOT_MIN_BYTES="1K")
     import jax
     import numpy as np
     from jax import lax
@@ -147,7 +153,8 @@ def child_one_process(timeout_s: float) -> dict:
     skipping = smap(lambda v: lax.cond(lax.axis_index("x") == n - 1, lambda a: a,
                                        lambda a: jax_blink.all_reduce(a, "x"), v))
     psum = smap(lambda v: lax.psum(v, "x"))
-    report = {"case": "skip", "where": f"one process, {n} {devices[0].platform} devices",
+    report = {"case": case, "where": f"one process, {n} {devices[0].platform} devices"
+              + (", all-reduce on copy engines" if case == "skip-ce" else ""),
               "fault": f"rank {n - 1} skips an all_reduce (lax.cond)", "process": 0}
     host = rng.random((n, SIZE), dtype=np.float32)
     first = _call(full, put(host.reshape(-1)), host.astype(np.float64).sum(0), 60, "call 1")
@@ -536,12 +543,12 @@ def _summarise(case: str, reports: list[dict], job: dict | None) -> dict:
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("--child-one", "--child-job"):
         if sys.argv[1] == "--child-one":
-            platform, timeout_s = sys.argv[2], float(sys.argv[3])
+            platform, timeout_s, case = sys.argv[2], float(sys.argv[3]), sys.argv[4]
             if platform == "cpu":
                 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
                 os.environ["JAX_PLATFORMS"] = "cpu"
                 os.environ.setdefault("PJRT_NPROC", "16")
-            print("PHASE " + json.dumps(child_one_process(timeout_s)), flush=True)
+            print("PHASE " + json.dumps(child_one_process(timeout_s, case)), flush=True)
             os._exit(0)  # a GPU kernel may still spin after a hang: do not wait for it at exit
         pid, nproc, port = map(int, sys.argv[2:5])
         child_job(pid, nproc, port, sys.argv[5], sys.argv[6], sys.argv[7].split(","), float(sys.argv[8]),
@@ -550,7 +557,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/gpu_faults.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                     help="gpu (CUDA executor, CUDA IPC) or cpu (CPU executor, shared memory); default gpu")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"some of {','.join(CASES)} (default all)")
+    ap.add_argument("--cases", default=None,
+                    help=f"some of {','.join(CASES)} (default all; with --platform cpu all but skip-ce)")
     ap.add_argument("--processes", type=int, default=4, help="processes of the multi-process cases (default 4)")
     ap.add_argument("--timeout-s", type=float, default=2.0, help="jax_blink's time budget per wait (default 2)")
     ap.add_argument("--setup-timeout-s", type=float, default=4.0,
@@ -562,12 +570,16 @@ def main(argv=None) -> int:
     ap.add_argument("--separate", action="store_true", help="every multi-process case in a job of its own")
     ap.add_argument("--out", metavar="JSON")
     args = ap.parse_args(argv)
+    if args.cases is None:
+        args.cases = ",".join(c for c in CASES if args.platform == "gpu" or c != "skip-ce")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}")
     if args.processes < 2:
         ap.error("--processes must be 2 or more")
+    if "skip-ce" in cases and args.platform != "gpu":
+        ap.error("case skip-ce needs GPUs (copy engines); leave it out with --platform cpu")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         ap.error(f"no folder to write {args.out!r} in")
     gpus = children.gpu_count() if args.platform == "gpu" else 0
@@ -581,12 +593,12 @@ def main(argv=None) -> int:
     def job_budget() -> float:  # what a job may take: its own limit, within the total
         return max(1.0, min(args.job_timeout_s, t_end - time.monotonic()))
     rows, jobs = [], []
-    if "skip" in cases:
-        runs = _run_children([[sys.executable, me, "--child-one", args.platform, str(args.timeout_s)]],
+    for case in [c for c in ONE_PROCESS_CASES if c in cases]:
+        runs = _run_children([[sys.executable, me, "--child-one", args.platform, str(args.timeout_s), case]],
                              job_budget())
         rep = runs[0]["phases"]
-        jobs.append({"cases": ["skip"], "killed": runs[0]["killed_at_deadline"], "rc": [runs[0]["rc"]]})
-        row = _summarise("skip", rep, jobs[-1])
+        jobs.append({"cases": [case], "killed": runs[0]["killed_at_deadline"], "rc": [runs[0]["rc"]]})
+        row = _summarise(case, rep, jobs[-1])
         if not rep:
             row["tail"] = runs[0]["tail"]
         rows.append(row)

@@ -60,3 +60,9 @@ def test_kill_and_shape_end_in_named_errors_and_recover(tmp_path):
     survivors = [x for x in rows["kill"]["reports"] if x.get("role") == "survivor"]
     assert len(survivors) == 2 and all(x["recovery"]["state"] == "ok" for x in survivors)
     assert proc.returncode == 0, text[-2000:]
+
+
+def test_copy_engine_case_is_refused_on_cpu_with_what_to_do():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--platform", "cpu", "--cases", "skip-ce"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2 and "skip-ce needs GPUs" in r.stderr and "Traceback" not in r.stderr

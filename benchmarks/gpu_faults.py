@@ -7,8 +7,9 @@ budget, and a new call after ``jax_blink.reset()`` must work again.
 Cases (the last of ``--processes`` is the faulty rank or process, the others survivors):
 
   skip      one process, every local device (up to 4): the last rank skips an all_reduce under
-            ``lax.cond`` (the executor's own test of a rank that skips a call).
-  skip-ce   the same with the all-reduce on copy engines (``JAX_BLINK_TWOSHOT_ENGINE=ce`` and the
+            ``lax.cond`` whose call site every rank has already run once (so the skip meets a
+            set-up collective, not its set-up).
+  skip-ce   the same with the all-reduce on copy engines (``JAX_BLINK_TWOSHOT_ENGINE=ce``, an operand of 1 MiB per rank and the
             two-shot sizes from 1 KiB; 3+ GPUs): the ranks that call wait for the skipping one
             on the host, not in a kernel.
   never     a job of N processes (CUDA IPC on GPUs, shared memory on CPU): after two good calls
@@ -61,6 +62,7 @@ SHARED_JOB = ("never", "unmapped", "setup", "kill")
 #: Slack on top of the budget: the error's way back through XLA, a loaded machine.
 MARGIN_S = 10.0
 SIZE = 1031  # elements per rank: not a multiple of 16 bytes' worth, so the ragged tail is in play
+SIZE_CE = (1 << 18) + 3  # skip-ce: large enough for a two-shot site (the copy engines' sizes), ragged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +128,7 @@ def _call(fn, x, want, deadline_s: float, what: str) -> dict:
 # Case "skip": one process, several devices.
 
 def child_one_process(timeout_s: float, case: str = "skip") -> dict:
+    size = SIZE_CE if case == "skip-ce" else SIZE
     if case == "skip-ce":  # read when the sites are set up, so before any call
         os.environ.update(JAX_BLINK_TWOSHOT_ENGINE="ce", JAX_BLINK_TWOSHOT_MIN_BYTES="1K")
     import jax
@@ -150,23 +153,34 @@ def child_one_process(timeout_s: float, case: str = "skip") -> dict:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 
     full = smap(lambda v: jax_blink.all_reduce(v, "x"))
-    skipping = smap(lambda v: lax.cond(lax.axis_index("x") == n - 1, lambda a: a,
-                                       lambda a: jax_blink.all_reduce(a, "x"), v))
+    # A rank whose flag is set skips the all-reduce. Run once with no flag set, so that the site is
+    # set up on every rank, then with the last rank's set: the skip meets a running collective
+    # (the executor's waits, or the copy engines' host meetings), not its set-up.
+    skipping = jax.jit(jax.shard_map(
+        lambda v, f: lax.cond(f[0] > 0, lambda a: a, lambda a: jax_blink.all_reduce(a, "x"), v),
+        mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False))
     psum = smap(lambda v: lax.psum(v, "x"))
     report = {"case": case, "where": f"one process, {n} {devices[0].platform} devices"
               + (", all-reduce on copy engines" if case == "skip-ce" else ""),
               "fault": f"rank {n - 1} skips an all_reduce (lax.cond)", "process": 0}
-    host = rng.random((n, SIZE), dtype=np.float32)
+    host = rng.random((n, size), dtype=np.float32)
     first = _call(full, put(host.reshape(-1)), host.astype(np.float64).sum(0), 60, "call 1")
     report["call 1"] = first
     if first["state"] != "ok":
         return {**report, "ok": False, "what": "the first, good call failed"}
-    host = rng.random((n, SIZE), dtype=np.float32)
+    none_skip, last_skips = put(np.zeros(n, np.int32)), put((np.arange(n) == n - 1).astype(np.int32))
+    host = rng.random((n, size), dtype=np.float32)
+    second = _call(lambda v: skipping(v, none_skip), put(host.reshape(-1)), host.astype(np.float64).sum(0), 60,
+                   "call 2 (no rank skips)")
+    report["call 2 (no rank skips)"] = second
+    if second["state"] != "ok":
+        return {**report, "ok": False, "what": "the second, good call (the skipping program, nobody skipping) failed"}
+    host = rng.random((n, size), dtype=np.float32)
     x = put(host.reshape(-1))
     t0 = time.monotonic()
     # The faulty call: ranks 0..n-2 wait for rank n-1. Its result is undefined; what matters is
     # whether and when an error surfaces.
-    bad = _outcome(lambda: jax.block_until_ready(skipping(x)), timeout_s + MARGIN_S)
+    bad = _outcome(lambda: jax.block_until_ready(skipping(x, last_skips)), timeout_s + MARGIN_S)
     report["faulty call"] = {k: v for k, v in bad.items() if k != "value"}
     t_error = bad["seconds"] if bad["state"] == "error" else None
     if bad["state"] == "blocked":
@@ -186,7 +200,7 @@ def child_one_process(timeout_s: float, case: str = "skip") -> dict:
     report.update(_judge_error(error, t_error, timeout_s, rank=n - 1, process=None))
     reset = _outcome(jax_blink.reset, 60)
     report["reset"] = reset["state"] if reset["state"] != "error" else reset["error"]
-    host = rng.random((n, SIZE), dtype=np.float32)
+    host = rng.random((n, size), dtype=np.float32)
     x = put(host.reshape(-1))
     rec = _call(full, x, host.astype(np.float64).sum(0), timeout_s + MARGIN_S, "after reset")
     if rec["state"] == "ok":  # and against psum on the same data

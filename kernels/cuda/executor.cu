@@ -1278,12 +1278,14 @@ std::string JoinSite(int64_t comm_id, int32_t group, int rank, int device, const
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 1));
     if (!pd->cv.wait_until(lk, deadline, [&] { return pd->done; })) {
       std::string missing;
+      int nmissing = 0;
       for (int r = 0; r < n; ++r)
-        if (pd->devices[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (pd->devices[r] < 0) missing += (nmissing++ ? ", " : "") + std::to_string(r);
       pd->devices[rank] = -1;  // leave, so that a later attempt can join again
       --pd->joined;
-      return who() + "waited " + std::to_string(timeout_ms) + " ms at set-up for ranks " + missing +
-             " to join (a rank did not run this collective?)";
+      // A rank that timed out before this one left too, so it is listed with the one it missed.
+      return who() + "waited " + std::to_string(timeout_ms) + " ms at set-up for " + (nmissing == 1 ? "rank " : "ranks ") +
+             missing + " to join (a rank did not run this collective, or timed out waiting itself?)";
     }
   }
   if (!pd->error.empty()) return pd->error;

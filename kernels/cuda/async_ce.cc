@@ -197,6 +197,14 @@ std::string CopyEngineGatherPushes(bool* push) {
          "its reduced chunk into its peers); fix or unset it (unset: pull)";
 }
 
+std::string CheckCopyEngineEnvironment() {
+  bool flag = false;
+  int64_t bytes = 0;
+  if (std::string err = AsyncEngineIsCopyEngines(&flag); !err.empty()) return err;
+  if (std::string err = CopyEnginePieceBytes(&bytes); !err.empty()) return err;
+  return CopyEngineGatherPushes(&flag);
+}
+
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jbc::DType dtype, int32_t op,
                                  const void* in, void* out, int64_t elems, int esize, int blocks, int64_t piece_bytes,
                                  bool push, cudaStream_t side, int64_t timeout_ms) {

@@ -21,6 +21,9 @@ constexpr int64_t kDefaultPieceBytes = int64_t{16} << 20;
 std::string CopyEnginePieceBytes(int64_t* bytes);
 // JAX_BLINK_CE_GATHER: unset, "" or "pull" -> false, "push" -> true; else an error message.
 std::string CopyEngineGatherPushes(bool* push);
+// The first of JAX_BLINK_ASYNC_ENGINE, JAX_BLINK_CE_PIECE_BYTES, JAX_BLINK_CE_GATHER whose value is
+// not understood, as an error message; "" when all are fine. No GPU needed.
+std::string CheckCopyEngineEnvironment();
 
 // One call of rank `rank` of `nranks` (one process, one GPU each) of collective `comm_id`:
 // reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one

@@ -529,11 +529,13 @@ NB_MODULE(_blink_cuda, m) {
   m.def(
       "check_environment",
       []() {
-        const std::string err = jbc::CheckEnvironment();
+        std::string err = jbc::CheckEnvironment();
+        if (err.empty()) err = jax_blink::cuda_async::CheckCopyEngineEnvironment();
         if (!err.empty()) throw nb::value_error(err.c_str());
       },
-      "Raise ValueError naming the first JAX_BLINK_* environment variable of the CUDA executor whose "
-      "value it does not understand (set-up of a collective fails with the same message); no GPU needed.");
+      "Raise ValueError naming the first JAX_BLINK_* environment variable of the CUDA executor or of "
+      "its copy engines whose value it does not understand (set-up of a collective fails with the same "
+      "message); no GPU needed.");
 
   m.def(
       "parse_byte_count",

@@ -71,6 +71,11 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_TWOSHOT_MODE", "push", "auto .* or pull"),
     ("JAX_BLINK_TWOSHOT_REDUCERS", "-1", "from 0 to 65536"),
     ("JAX_BLINK_TWOSHOT_REDUCERS", "a few", "from 0 to 65536"),
+    ("JAX_BLINK_TWOSHOT_ENGINE", "dma", "sm .* or ce"),
+    ("JAX_BLINK_ASYNC_ENGINE", "dma", "sm .* or ce"),
+    ("JAX_BLINK_CE_PIECE_BYTES", "lots", "byte count"),
+    ("JAX_BLINK_CE_PIECE_BYTES", "8", "at least 16"),
+    ("JAX_BLINK_CE_GATHER", "scatter", "pull .* or push"),
 ])
 def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):
     monkeypatch.setenv(name, value)

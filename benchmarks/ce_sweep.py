@@ -8,11 +8,14 @@ One process, 2 or more GPUs, one float32 operand per size (fresh random data). V
 - ``executor``: jax_blink's all-reduce, forced onto the executor (``dispatch="blink"``): the kernel
   that ``dispatch="auto"`` would run (two-shot on 3+ GPUs from 16 MiB, trees below, host channel
   on 2 GPUs);
-- every ``--config``: ``all_reduce_done(all_reduce_start(x, full_grid=True))`` back to back, its
-  sites set up while the configuration's variables are set (``JAX_BLINK_ASYNC_ENGINE``,
-  ``JAX_BLINK_CE_PIECE_BYTES``, ``JAX_BLINK_ASYNC_BLOCKS`` are read at a site's first call, so each
-  configuration's sites keep their own). Default: the copy engines with pieces of 4, 16 and 64 MiB,
-  and the executor's kernel on the asynchronous lane (``sm``) for reference.
+- every ``--config``: ``all_reduce_done(all_reduce_start(x))`` back to back, its sites set up
+  while the configuration's variables are set (``JAX_BLINK_ASYNC_ENGINE``,
+  ``JAX_BLINK_CE_PIECE_BYTES``, ``JAX_BLINK_CE_GATHER``, ``JAX_BLINK_ASYNC_BLOCKS`` are read at a
+  site's first call, so each configuration's sites keep their own). A copy-engine configuration
+  reduces on ``JAX_BLINK_ASYNC_BLOCKS`` blocks (132 unless it sets them: an H100's or H200's SM
+  count); any other start runs with ``full_grid=True`` (the executor's whole grid; a full-grid
+  start always runs the kernel). Default: the copy engines with pieces of 4, 16 and 64 MiB, and the
+  executor's kernel on the asynchronous lane (``sm``) for reference.
 
 Every variant's first result is compared with psum's on the devices (largest difference relative
 to psum's largest value; the copy engines add in rank order as the executor does, NCCL's ring in
@@ -76,8 +79,11 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
     coll = COLLECTIVES["allreduce"]
 
-    def start_done(v, axis):
-        return jax_blink.all_reduce_done(jax_blink.all_reduce_start(v, axis, full_grid=True))
+    def start_done(full_grid):
+        return lambda v, axis: jax_blink.all_reduce_done(jax_blink.all_reduce_start(v, axis, full_grid=full_grid))
+
+    def on_copy_engines(env):
+        return env.get("JAX_BLINK_ASYNC_ENGINE", "").lower() == "ce"
 
     psum_fn = chained(coll.chain(coll.ref), mesh, "x", k)
     rows = []
@@ -89,7 +95,9 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
         ref = psum_fn(x)
         scale = float(jnp.max(jnp.abs(ref)))
         variants = [("executor", {}, chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink"))]
-        variants += [(name, env, chained(start_done, mesh, "x", k, dispatch="blink")) for name, env in configs]
+        variants += [(name, {"JAX_BLINK_ASYNC_BLOCKS": "132", **env} if on_copy_engines(env) else env,
+                      chained(start_done(not on_copy_engines(env)), mesh, "x", k, dispatch="blink"))
+                     for name, env in configs]
         fns, meta = [], []
         for name, env, fn in variants:
             with environment(env):

@@ -26,7 +26,8 @@
 // third communicator (lane 2) with the executor's whole grid; it is serialised behind the small
 // ones on the same side stream, so no two spinning grids of this device run at once.
 //
-// A site set up with JAX_BLINK_ASYNC_ENGINE=ce enqueues the copy-engine form instead of the kernel
+// A site set up with JAX_BLINK_ASYNC_ENGINE=ce (but not a full_grid one, which always runs the
+// kernel: it is the faster of the two alone) enqueues the copy-engine form instead of the kernel
 // (cuda/async_ce.cc: peer copies on copy streams and a reduction, ordered by the side stream; it
 // meets the other ranks on the host, so g_mu is released around it). Like the executor's knobs,
 // the engine, its grid and its pieces are read once, when the site is set up.
@@ -97,7 +98,7 @@ std::map<std::pair<int64_t, int>, std::deque<cudaEvent_t>> g_in_flight;
 // What a site's starts run on, read from the environment at its first start (per comm_id).
 struct Engine {
   bool ce = false;          // copy engines (JAX_BLINK_ASYNC_ENGINE=ce) or the executor's kernel
-  int blocks = 0;           // the copy engines' reduction grid
+  int blocks = 0;           // the copy engines' reduction grid (JAX_BLINK_ASYNC_BLOCKS)
   int64_t piece_bytes = 0;  // the copy engines' pieces
   bool push = false;        // the copy engines' all-gather writes into the peers
 };
@@ -146,7 +147,7 @@ std::string TakeEventLocked(int device, DeviceLane& lane, cudaEvent_t* ev) {
 }
 
 // The engine of site `comm_id` (read at its first start). Caller holds g_mu.
-std::string EngineLocked(int64_t comm_id, int device, bool full_grid, Engine* out) {
+std::string EngineLocked(int64_t comm_id, bool full_grid, Engine* out) {
   auto it = g_engines.find(comm_id);
   if (it != g_engines.end()) {
     *out = it->second;
@@ -157,10 +158,9 @@ std::string EngineLocked(int64_t comm_id, int device, bool full_grid, Engine* ou
   if (std::string err = CopyEnginePieceBytes(&e.piece_bytes); !err.empty()) return err;
   if (std::string err = CopyEngineGatherPushes(&e.push); !err.empty()) return err;
   if (std::string err = AsyncBlocks(&e.blocks); !err.empty()) return err;
-  if (full_grid) {  // the last bucket: nothing left to overlap, so a reduction on every SM
-    const cudaError_t c = cudaDeviceGetAttribute(&e.blocks, cudaDevAttrMultiProcessorCount, device);
-    if (c != cudaSuccess) return CudaErr("reading the SM count", c);
-  }
+  // The last bucket (full_grid) has nothing left to overlap, so it takes the faster engine: the
+  // executor's whole grid (0.95x psum at 1 GiB on 4 x H200, the copy engines 0.67x; NOTES, change 19).
+  if (full_grid) e.ce = false;
   *out = g_engines[comm_id] = e;
   return {};
 }
@@ -229,7 +229,7 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
   }
   std::unique_lock<std::mutex> lock(g_mu);
   Engine engine;
-  if (std::string err = EngineLocked(comm_id, device, full_grid != 0, &engine); !err.empty())
+  if (std::string err = EngineLocked(comm_id, full_grid != 0, &engine); !err.empty())
     return Fail(ffi::ErrorCode::kInvalidArgument, device, comm_id, err);
   if (g_in_flight[{comm_id, device}].size() >= kMaxInFlight)
     return Fail(ffi::ErrorCode::kResourceExhausted, device, comm_id,

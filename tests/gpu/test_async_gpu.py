@@ -165,8 +165,8 @@ def test_copy_engine_value_not_understood(monkeypatch):
 @pytest.mark.parametrize("full_grid", [False, True])
 def test_copy_engine_pieces(piece, gather, full_grid, monkeypatch):
     """The copy engines' chunks cut into pieces (16K: the most pieces, 16 per chunk, with a ragged
-    last one; 1M: one piece per chunk here), the all-gather pulled or pushed, the reduction on a
-    small or the whole grid: equal to
+    last one; 1M: one piece per chunk here), the all-gather pulled or pushed; with full_grid the
+    start runs the executor's kernel instead (the last bucket's engine): equal to
     psum exactly (int32), on fresh random data, after a call that wrote other values into the
     same program's outputs."""
     monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")

@@ -25,8 +25,6 @@ call (median of the rounds), psum / ours and the bus bandwidth (nccl-tests' 2 (n
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from collective_checks import environment  # noqa: E402  (benchmarks/ on the path first)
-from twoshot_sweep import parse_config  # noqa: E402
+from sweep_cli import main as sweep_main, parse_config  # noqa: E402,F401  (parse_config: for callers and tests)
 
 DEFAULT_CONFIGS = (
     "ce-4M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=4M",
@@ -127,40 +125,9 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
 
 
 def main(argv=None) -> int:
-    from jax_blink.tools import arguments as cli
-
-    def sizes_list(text: str) -> list[int]:
-        sizes = [cli.byte_count(s) for s in text.split(",") if s.strip()]
-        if not sizes or any(b < 1024 or b % 16 for b in sizes):
-            raise argparse.ArgumentTypeError(f"got {text!r}; takes sizes of at least 1K and a multiple of 16 bytes, "
-                                             "comma-separated")
-        return sizes
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="16M,64M,256M,1G", type=sizes_list, help="bytes per rank, comma-separated")
-    ap.add_argument("--config", action="append", default=None, help="NAME:VAR=VALUE,... (repeatable)")
-    ap.add_argument("--chain", type=cli.whole_number(1, 1000), default=20, help="chained calls per program")
-    ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=8,
-                    help="rounds at least (more until 0.5 s per variant)")
-    ap.add_argument("--out", default="ce-sweep", help="folder for sweep.md and sweep.json")
-    args = ap.parse_args(argv)
-    try:
-        configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
-    except ValueError as e:
-        ap.error(str(e))
-    rows = run(args.sizes, configs, args.chain, args.runs)
-    import jax
-
-    head = (f"# benchmarks/ce_sweep.py, {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}, float32, {args.chain} chained calls, measured")
-    text = head + "\n\n" + table(rows)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sweep.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    return 0 if all(r["rel_diff"] < 1e-5 for r in rows) else 1
+    return sweep_main(argv, description=__doc__.split("\n")[0], script="ce_sweep.py", run=run, table=table,
+                      default_configs=DEFAULT_CONFIGS, default_sizes="16M,64M,256M,1G", min_bytes=1024,
+                      sizes_note="sizes of at least 1K and a multiple of 16 bytes", out_default="ce-sweep")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ struct Slot {  // one rank's part of the current call, published before it meets
 
 struct Group {
   explicit Group(int n) : slots(n) {}
+  int64_t piece_bytes = kDefaultPieceBytes;  // JAX_BLINK_CE_PIECE_BYTES, read when the group is made
+  bool push = false;                         // JAX_BLINK_CE_GATHER=push, likewise
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Slot> slots;
@@ -72,6 +74,7 @@ struct Group {
 // Per device: the scratch of the peers' terms, a copy stream per peer and their events. The side
 // stream orders every use (see the file's comment).
 struct DeviceState {
+  int sms = 0;  // the device's SM count: the grid of a reduction on every SM
   void* scratch = nullptr;
   size_t bytes = 0;
   std::vector<cudaStream_t> copy;     // copy[i - 1]: the stream of peer rank + i
@@ -87,11 +90,21 @@ std::string CudaErr(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
-Group* GroupOf(int64_t comm_id, int n) {
+std::string PieceBytes(int64_t* bytes);
+std::string GatherPushes(bool* push);
+
+// The group of call site `comm_id`, made (with its settings from the environment) at its first call.
+std::string GroupOf(int64_t comm_id, int n, Group** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::unique_ptr<Group>& g = g_groups[comm_id];
-  if (!g) g = std::make_unique<Group>(n);
-  return g.get();
+  if (!g) {
+    auto made = std::make_unique<Group>(n);
+    if (std::string err = PieceBytes(&made->piece_bytes); !err.empty()) return err;
+    if (std::string err = GatherPushes(&made->push); !err.empty()) return err;
+    g = std::move(made);
+  }
+  *out = g.get();
+  return {};
 }
 
 const char* const kPhase[3] = {"its operand ready", "its chunk reduced", "its copies done"};
@@ -125,7 +138,7 @@ std::string Meet(Group& g, int phase, int rank, int64_t call, int64_t timeout_ms
 std::string DeviceStateOf(int device, int peers, size_t bytes, cudaStream_t side, DeviceState** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceState& d = g_devices[device];
-  cudaError_t e = cudaSuccess;
+  cudaError_t e = d.sms > 0 ? cudaSuccess : cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
   while (e == cudaSuccess && static_cast<int>(d.copy.size()) < peers) {
     cudaStream_t s = nullptr;
     e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -159,20 +172,23 @@ std::string DeviceStateOf(int device, int peers, size_t bytes, cudaStream_t side
 
 }  // namespace
 
-std::string AsyncEngineIsCopyEngines(bool* ce) {
-  const char* v = std::getenv("JAX_BLINK_ASYNC_ENGINE");
-  *ce = false;
-  if (v == nullptr || *v == '\0' || strcasecmp(v, "sm") == 0) return {};
-  if (strcasecmp(v, "ce") == 0) {
-    *ce = true;
+namespace {
+
+// Variable `name`: unset, "" or `first` -> false, `second` -> true (any case); else an error
+// message naming the value and what each choice does.
+std::string EnvChoice(const char* name, const char* first, const char* second, const char* what, bool* is_second) {
+  const char* v = std::getenv(name);
+  *is_second = false;
+  if (v == nullptr || *v == '\0' || strcasecmp(v, first) == 0) return {};
+  if (strcasecmp(v, second) == 0) {
+    *is_second = true;
     return {};
   }
-  return std::string("JAX_BLINK_ASYNC_ENGINE='") + v +
-         "' is not understood: it takes sm (the executor's kernel moves the bytes) or ce (copy engines move "
-         "them, a few blocks add them up); fix or unset it (unset: sm)";
+  return std::string(name) + "='" + v + "' is not understood: it takes " + what + "; fix or unset it (unset: " +
+         first + ")";
 }
 
-std::string CopyEnginePieceBytes(int64_t* bytes) {
+std::string PieceBytes(int64_t* bytes) {
   *bytes = kDefaultPieceBytes;
   const char* v = std::getenv("JAX_BLINK_CE_PIECE_BYTES");
   if (v == nullptr || *v == '\0') return {};
@@ -185,33 +201,38 @@ std::string CopyEnginePieceBytes(int64_t* bytes) {
   return {};
 }
 
-std::string CopyEngineGatherPushes(bool* push) {
-  const char* v = std::getenv("JAX_BLINK_CE_GATHER");
-  *push = false;
-  if (v == nullptr || *v == '\0' || strcasecmp(v, "pull") == 0) return {};
-  if (strcasecmp(v, "push") == 0) {
-    *push = true;
-    return {};
-  }
-  return std::string("JAX_BLINK_CE_GATHER='") + v +
-         "' is not understood: it takes pull (each rank reads its peers' reduced chunks) or push (each rank writes "
-         "its reduced chunk into its peers); fix or unset it (unset: pull)";
+std::string GatherPushes(bool* push) {
+  return EnvChoice("JAX_BLINK_CE_GATHER", "pull", "push",
+                   "pull (each rank reads its peers' reduced chunks) or push (each rank writes its reduced chunk "
+                   "into its peers)",
+                   push);
+}
+
+}  // namespace
+
+std::string AsyncEngineIsCopyEngines(bool* ce) {
+  return EnvChoice("JAX_BLINK_ASYNC_ENGINE", "sm", "ce",
+                   "sm (the executor's kernel moves the bytes) or ce (copy engines move them, a few blocks add them up)",
+                   ce);
 }
 
 std::string CheckCopyEngineEnvironment() {
   bool flag = false;
   int64_t bytes = 0;
   if (std::string err = AsyncEngineIsCopyEngines(&flag); !err.empty()) return err;
-  if (std::string err = CopyEnginePieceBytes(&bytes); !err.empty()) return err;
-  return CopyEngineGatherPushes(&flag);
+  if (std::string err = PieceBytes(&bytes); !err.empty()) return err;
+  return GatherPushes(&flag);
 }
 
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jbc::DType dtype, int32_t op,
-                                 const void* in, void* out, int64_t elems, int esize, int blocks, int64_t piece_bytes,
-                                 bool push, cudaStream_t side, int64_t timeout_ms) {
+                                 const void* in, void* out, int64_t elems, int esize, int blocks, cudaStream_t side,
+                                 int64_t timeout_ms) {
   if (nranks < 2 || nranks > kMaxRanks || rank < 0 || rank >= nranks) return "bad rank or rank count";
-  if (blocks < 1 || piece_bytes < 16) return "bad block count or piece size";
-  Group& g = *GroupOf(comm_id, nranks);
+  Group* group = nullptr;
+  if (std::string err = GroupOf(comm_id, nranks, &group); !err.empty()) return err;
+  Group& g = *group;
+  const int64_t piece_bytes = g.piece_bytes;
+  const bool push = g.push;
   const int64_t align = 16 / esize;
   const int64_t c = ((elems + nranks - 1) / nranks + align - 1) / align * align;  // elements per chunk
   // Elements per piece: a whole number of atoms, and at most kMaxPieces pieces per chunk.
@@ -229,6 +250,7 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
   if (std::string err = DeviceStateOf(device, nranks - 1, static_cast<size_t>((nranks - 1) * c * esize), side, &d);
       !err.empty())
     return err;
+  if (blocks <= 0) blocks = d->sms;
   int64_t call = 0;
   {
     std::lock_guard<std::mutex> lock(g.mu);

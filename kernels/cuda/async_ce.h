@@ -15,28 +15,25 @@ namespace jax_blink::cuda_async {
 // engines); anything else -> an error message naming the value and what it takes.
 std::string AsyncEngineIsCopyEngines(bool* ce);
 
-// The pieces each chunk is cut into, so that reductions and copies overlap.
+// The pieces each chunk is cut into, so that reductions and copies overlap
+// (JAX_BLINK_CE_PIECE_BYTES overrides).
 constexpr int64_t kDefaultPieceBytes = int64_t{16} << 20;
-// JAX_BLINK_CE_PIECE_BYTES (unset: kDefaultPieceBytes) -> "" or an error message.
-std::string CopyEnginePieceBytes(int64_t* bytes);
-// JAX_BLINK_CE_GATHER: unset, "" or "pull" -> false, "push" -> true; else an error message.
-std::string CopyEngineGatherPushes(bool* push);
 // The first of JAX_BLINK_ASYNC_ENGINE, JAX_BLINK_CE_PIECE_BYTES, JAX_BLINK_CE_GATHER whose value is
 // not understood, as an error message; "" when all are fine. No GPU needed.
 std::string CheckCopyEngineEnvironment();
 
-// One call of rank `rank` of `nranks` (one process, one GPU each) of collective `comm_id`:
-// reduce-scatter and all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one
-// stream per peer, in pieces of about `piece_bytes`; the all-gather pulls or, with `push`, pushes)
-// and whose reduction is a kernel of `blocks`
-// blocks, all ordered by `side`, which must already follow XLA's stream. The ranks meet on the
-// host three times per call (every wait within `timeout_ms`), so that each waits on its peers'
-// events of the same call. `in` and `out` must stay
-// untouched until `side` has passed what this enqueues. Returns "" or an error; after a rank
-// timed out the collective fails from then on.
+// One call of rank `rank` of `nranks` (one process, one GPU each) of call site `comm_id`: a
+// reduce-scatter and an all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one
+// stream per peer, in pieces of JAX_BLINK_CE_PIECE_BYTES; the all-gather pulls, or pushes with
+// JAX_BLINK_CE_GATHER=push: both read when the site's first call makes its group) and whose
+// reduction is a kernel of `blocks` blocks (0: every SM), all ordered by `side`, which must already
+// follow XLA's stream. The ranks meet on the host at every call (every wait within `timeout_ms`),
+// so that each waits on its peers' events of the same call. `in` and `out` must stay untouched
+// until `side` has passed what this enqueues. Returns "" or an error; after a rank timed out the
+// collective fails from then on (until ResetCopyEngines).
 std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int device, jax_blink::cuda::DType dtype,
                                  int32_t op, const void* in, void* out, int64_t elems, int esize, int blocks,
-                                 int64_t piece_bytes, bool push, cudaStream_t side, int64_t timeout_ms);
+                                 cudaStream_t side, int64_t timeout_ms);
 
 // Forgets every copy-engine collective (its call counts, a recorded time-out, its events), so that
 // the next call starts afresh. Only when no collective runs (module reset(), after every GPU has

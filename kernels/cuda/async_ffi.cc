@@ -95,12 +95,11 @@ std::mutex g_mu;  // uncontended: XLA drives each device from one thread
 std::map<int, DeviceLane> g_lanes;
 std::map<std::pair<int64_t, int>, std::deque<cudaEvent_t>> g_in_flight;
 
-// What a site's starts run on, read from the environment at its first start (per comm_id).
+// What a site's starts run on, read from the environment at its first start (per comm_id; the
+// copy engines' own settings: their group, cuda/async_ce.cc).
 struct Engine {
-  bool ce = false;          // copy engines (JAX_BLINK_ASYNC_ENGINE=ce) or the executor's kernel
-  int blocks = 0;           // the copy engines' reduction grid (JAX_BLINK_ASYNC_BLOCKS)
-  int64_t piece_bytes = 0;  // the copy engines' pieces
-  bool push = false;        // the copy engines' all-gather writes into the peers
+  bool ce = false;  // copy engines (JAX_BLINK_ASYNC_ENGINE=ce) or the executor's kernel
+  int blocks = 0;   // the copy engines' reduction grid (JAX_BLINK_ASYNC_BLOCKS)
 };
 std::map<int64_t, Engine> g_engines;
 
@@ -155,8 +154,6 @@ std::string EngineLocked(int64_t comm_id, bool full_grid, Engine* out) {
   }
   Engine e;
   if (std::string err = AsyncEngineIsCopyEngines(&e.ce); !err.empty()) return err;
-  if (std::string err = CopyEnginePieceBytes(&e.piece_bytes); !err.empty()) return err;
-  if (std::string err = CopyEngineGatherPushes(&e.push); !err.empty()) return err;
   if (std::string err = AsyncBlocks(&e.blocks); !err.empty()) return err;
   // The last bucket (full_grid) has nothing left to overlap, so it takes the faster engine: the
   // executor's whole grid (0.95x psum at 1 GiB on 4 x H200, the copy engines 0.67x; NOTES, change 19).
@@ -258,7 +255,7 @@ ffi::Error Start(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buf
     lock.unlock();
     launched = StartWithCopyEngines(comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op,
                                     x.untyped_data(), out->untyped_data(), static_cast<int64_t>(x.element_count()),
-                                    esize, engine.blocks, engine.piece_bytes, engine.push, lane->side, timeout_ms);
+                                    esize, engine.blocks, lane->side, timeout_ms);
     lock.lock();
   } else {
     launched = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), lane->side, timeout_ms);

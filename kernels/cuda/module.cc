@@ -249,16 +249,9 @@ ffi::Error LaunchOnSite(jbc::Site* site, int32_t device, int64_t comm_id, jbc::D
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                         Where(device, comm_id) + "JAX_BLINK_TWOSHOT_ENGINE=ce cannot run inside a command buffer "
                                                  "(its ranks meet on the host at every call)");
-    int blocks = 0;
-    int64_t piece_bytes = 0;
-    cudaError_t e = cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess)
-      return ffi::Error(ffi::ErrorCode::kInternal, Where(device, comm_id) + "reading the SM count: " + cudaGetErrorString(e));
-    err = jax_blink::cuda_async::CopyEnginePieceBytes(&piece_bytes);
-    if (err.empty())
-      err = jax_blink::cuda_async::StartWithCopyEngines(
-          comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op, x.untyped_data(), out->untyped_data(),
-          static_cast<int64_t>(x.element_count()), jbc::SiteEsize(site), blocks, piece_bytes, false, stream, timeout_ms);
+    err = jax_blink::cuda_async::StartWithCopyEngines(
+        comm_id, jbc::SiteRank(site), jbc::SiteRanks(site), device, dtype, op, x.untyped_data(), out->untyped_data(),
+        static_cast<int64_t>(x.element_count()), jbc::SiteEsize(site), /*blocks: every SM*/ 0, stream, timeout_ms);
     if (!err.empty()) err = Where(device, comm_id) + err;
   } else {
     err = jbc::Launch(site, dtype, op, x.untyped_data(), out->untyped_data(), stream, timeout_ms);

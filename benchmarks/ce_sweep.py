@@ -12,8 +12,8 @@ One process, 2 or more GPUs, one float32 operand per size (fresh random data). V
   while the configuration's variables are set (``JAX_BLINK_ASYNC_ENGINE``,
   ``JAX_BLINK_CE_PIECE_BYTES``, ``JAX_BLINK_CE_GATHER``, ``JAX_BLINK_ASYNC_BLOCKS`` are read at a
   site's first call, so each configuration's sites keep their own). A copy-engine configuration
-  reduces on ``JAX_BLINK_ASYNC_BLOCKS`` blocks (132 unless it sets them: an H100's or H200's SM
-  count); any other start runs with ``full_grid=True`` (the executor's whole grid; a full-grid
+  reduces on ``JAX_BLINK_ASYNC_BLOCKS`` blocks (unless it sets them: the GPU's SM count, 132 on an
+  H100 or H200); any other start runs with ``full_grid=True`` (the executor's whole grid; a full-grid
   start always runs the kernel). Default: the copy engines with pieces of 4, 16 and 64 MiB, and the
   executor's kernel on the asynchronous lane (``sm``) for reference.
 
@@ -26,14 +26,11 @@ call (median of the rounds), psum / ours and the bus bandwidth (nccl-tests' 2 (n
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from collective_checks import environment  # noqa: E402  (benchmarks/ on the path first)
-from sweep_cli import main as sweep_main, parse_config  # noqa: E402,F401  (parse_config: for callers and tests)
+from sweep_cli import against_psum, main as sweep_main, parse_config, size_label  # noqa: E402,F401  (parse_config: for callers and tests)
 
 DEFAULT_CONFIGS = (
     "ce-4M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=4M",
@@ -43,17 +40,13 @@ DEFAULT_CONFIGS = (
 )
 
 
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
 def table(rows: list[dict]) -> str:
     """Markdown: per size and variant, its time and psum's, psum / ours, busbw, spread and the check."""
     lines = ["| float32 per rank x ranks | variant | time (us, measured) | psum (us, measured) | speedup (psum / this) "
              "| busbw (GB/s) | spread this / psum | largest rel. difference to psum |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {_fmt(r['bytes_per_rank'])} x {r['n']} | {r['variant']} | {r['time_us']:.1f} "
+        lines.append(f"| {size_label(r['bytes_per_rank'])} x {r['n']} | {r['variant']} | {r['time_us']:.1f} "
                      f"| {r['psum_time_us']:.1f} | {r['speedup']:.3f} | {r['busbw']:.1f} "
                      f"| {100 * r['spread']:.0f}% / {100 * r['psum_spread']:.0f}% | {r['rel_diff']:.1e} |")
     return "\n".join(lines)
@@ -61,13 +54,10 @@ def table(rows: list[dict]) -> str:
 
 def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) -> list[dict]:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_blink
     from jax_blink.lowering import backends
-    from jax_blink.tools.timing import COLLECTIVES, chained, interleaved_times, spread
+    from jax_blink.tools.timing import COLLECTIVES, chained
 
     devices = jax.devices()
     n = len(devices)
@@ -75,6 +65,7 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
         raise SystemExit(f"ce_sweep.py: needs 2 or more GPUs and jax_blink's CUDA executor (here: {n} x "
                          f"{devices[0].platform})")
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
+    sms = str(getattr(devices[0], "core_count", 132))  # a copy-engine setting's reduction grid: every SM
     coll = COLLECTIVES["allreduce"]
 
     def start_done(full_grid):
@@ -83,45 +74,13 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
     def on_copy_engines(env):
         return env.get("JAX_BLINK_ASYNC_ENGINE", "").lower() == "ce"
 
-    psum_fn = chained(coll.chain(coll.ref), mesh, "x", k)
-    rows = []
-    rng = np.random.default_rng(0)
-    for nbytes in sizes:
-        count = nbytes // 4
-        x = jax.device_put(jnp.asarray(rng.standard_normal(n * count, dtype=np.float32)),
-                           NamedSharding(mesh, P("x")))
-        ref = psum_fn(x)
-        scale = float(jnp.max(jnp.abs(ref)))
-        variants = [("executor", {}, chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink"))]
-        variants += [(name, {"JAX_BLINK_ASYNC_BLOCKS": "132", **env} if on_copy_engines(env) else env,
-                      chained(start_done(not on_copy_engines(env)), mesh, "x", k, dispatch="blink"))
-                     for name, env in configs]
-        fns, meta = [], []
-        for name, env, fn in variants:
-            with environment(env):
-                got = fn(x)  # the sites are set up here, with this variant's variables
-                got.block_until_ready()
-            jax_blink.check()
-            rel = float(jnp.max(jnp.abs(got - ref))) / scale
-            del got
-            fns.append(fn)
-            meta.append((name, env, rel))
-        t0 = time.time()
-        timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
-        jax_blink.check()
-        t_psum = statistics.median(timed[0]) / k
-        for (name, env, rel), times in zip(meta, timed[1:]):
-            t = statistics.median(times) / k
-            rows.append(dict(bytes_per_rank=nbytes, n=n, variant=name, env=env, time_us=t * 1e6,
-                             psum_time_us=t_psum * 1e6, speedup=t_psum / t,
-                             busbw=nbytes * 2 * (n - 1) / n / t / 1e9, psum_busbw=nbytes * 2 * (n - 1) / n / t_psum / 1e9,
-                             spread=spread(times), psum_spread=spread(timed[0]), rel_diff=rel, runs=len(times)))
-            print(f"{_fmt(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, {t_psum / t:.3f}x, "
-                  f"{rows[-1]['busbw']:.1f} GB/s busbw (psum {rows[-1]['psum_busbw']:.1f}), "
-                  f"rel. difference {rel:.1e}", flush=True)
-        print(f"# {_fmt(nbytes)}: {len(timed[0])} rounds in {time.time() - t0:.0f} s", flush=True)
-        del x, ref
-    return rows
+    def variants():
+        return [("executor", {}, chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink"))] + [
+            (name, {"JAX_BLINK_ASYNC_BLOCKS": sms, **env} if on_copy_engines(env) else env,
+             chained(start_done(not on_copy_engines(env)), mesh, "x", k, dispatch="blink"))
+            for name, env in configs]
+
+    return against_psum(mesh, sizes, k, runs, variants, name_key="variant")
 
 
 def main(argv=None) -> int:

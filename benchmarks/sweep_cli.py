@@ -9,6 +9,11 @@ import os
 import time
 
 
+def size_label(nbytes: int) -> str:
+    """``67108864`` -> ``"64 MiB"``, ``65536`` -> ``"64 KiB"`` (the tables' size column)."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
     """``NAME:VAR=VALUE,VAR=VALUE`` (an empty list: the defaults) -> (name, variables)."""
     name, sep, rest = text.partition(":")
@@ -59,3 +64,64 @@ def main(argv, *, description: str, script: str, run, table, default_configs, de
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0 if all(r["rel_diff"] < 1e-5 for r in rows) else 1
+
+
+def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_key: str = "config",
+                 observe=None) -> list[dict]:
+    """Per size, on fresh float32 data (one operand per rank): psum's result, then every variant of
+    ``variants()`` (``(name, env, fn)``, ``fn`` a chained program) run once while ``env`` is set,
+    so that its call sites are set up with it, and compared with psum's (largest difference
+    relative to psum's largest value); then psum and all variants taking turns
+    (``jax_blink.tools.timing.interleaved_times``, 0.5 s per variant at least). ``observe()``,
+    called before a variant's first run, returns a function whose dict, called after it, joins the
+    variant's row (e.g. the kernels its sites took). One row per size and variant."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_blink
+    from jax_blink.tools.timing import COLLECTIVES, chained, interleaved_times, spread
+    from collective_checks import environment
+
+    n = mesh.devices.size
+    coll = COLLECTIVES["allreduce"]
+    psum_fn = chained(coll.chain(coll.ref), mesh, mesh.axis_names[0], k)
+    rows = []
+    rng = np.random.default_rng(0)
+    for nbytes in sizes:
+        x = jax.device_put(jnp.asarray(rng.standard_normal(n * (nbytes // 4), dtype=np.float32)),
+                           NamedSharding(mesh, P(mesh.axis_names[0])))
+        ref = psum_fn(x)
+        scale = float(jnp.max(jnp.abs(ref)))
+        fns, meta = [], []
+        for name, env, fn in variants():
+            seen = observe() if observe else (lambda: {})
+            with environment(env):
+                got = fn(x)  # the sites are set up here, with this variant's variables
+                got.block_until_ready()
+            jax_blink.check()
+            rel = float(jnp.max(jnp.abs(got - ref))) / scale
+            del got
+            fns.append(fn)
+            meta.append((name, env, seen(), rel))
+        t0 = time.time()
+        timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
+        jax_blink.check()
+        t_psum = statistics.median(timed[0]) / k
+        bus = nbytes * 2 * (n - 1) / n / 1e9
+        for (name, env, extra, rel), times in zip(meta, timed[1:]):
+            t = statistics.median(times) / k
+            rows.append({"bytes_per_rank": nbytes, "n": n, name_key: name, "env": env, **extra, "time_us": t * 1e6,
+                         "psum_time_us": t_psum * 1e6, "speedup": t_psum / t, "busbw": bus / t,
+                         "psum_busbw": bus / t_psum, "spread": spread(times), "psum_spread": spread(timed[0]),
+                         "rel_diff": rel, "runs": len(times)})
+            said = "".join(f", {key} {value}" for key, value in extra.items())
+            print(f"{size_label(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, "
+                  f"{t_psum / t:.3f}x, {bus / t:.1f} GB/s busbw (psum {bus / t_psum:.1f}){said}, "
+                  f"rel. difference {rel:.1e}", flush=True)
+        print(f"# {size_label(nbytes)}: {len(timed[0])} rounds in {time.time() - t0:.0f} s", flush=True)
+        del x, ref
+    return rows

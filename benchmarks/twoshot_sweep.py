@@ -19,14 +19,12 @@ that only reduce (JAX_BLINK_TWOSHOT_REDUCERS), and 16 of them with pieces of 256
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from collective_checks import environment  # noqa: E402  (benchmarks/ on the path first)
-from sweep_cli import main as sweep_main, parse_config  # noqa: E402,F401  (parse_config: for callers and tests)
+from collective_checks import environment  # noqa: E402,F401  (benchmarks/ on the path first; for the tests)
+from sweep_cli import against_psum, main as sweep_main, parse_config, size_label  # noqa: E402,F401  (parse_config: for callers and tests)
 
 DEFAULT_CONFIGS = (
     "default:",
@@ -40,17 +38,13 @@ DEFAULT_CONFIGS = (
 )
 
 
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
 def table(rows: list[dict]) -> str:
     """Markdown: per size and configuration, ours and psum's time, psum / ours, our busbw, the check."""
     lines = ["| float32 per rank x ranks | configuration | kernel (new sites) | ours (us, measured) | psum (us, measured) "
              "| speedup (psum / ours) | ours busbw (GB/s) | spread ours / psum | largest rel. difference |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {_fmt(r['bytes_per_rank'])} x {r['n']} | {r['config']} | {r['kernels']} | {r['time_us']:.1f} "
+        lines.append(f"| {size_label(r['bytes_per_rank'])} x {r['n']} | {r['config']} | {r['kernels']} | {r['time_us']:.1f} "
                      f"| {r['psum_time_us']:.1f} | {r['speedup']:.3f} | {r['busbw']:.1f} "
                      f"| {100 * r['spread']:.0f}% / {100 * r['psum_spread']:.0f}% | {r['rel_diff']:.1e} |")
     return "\n".join(lines)
@@ -66,12 +60,9 @@ def _kernels(module, before: dict) -> dict:
 
 def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) -> list[dict]:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jax_blink.lowering import backends
-    from jax_blink.tools.timing import COLLECTIVES, chained, interleaved_times, spread
+    from jax_blink.tools.timing import COLLECTIVES, chained
 
     devices = jax.devices()
     n = len(devices)
@@ -81,43 +72,16 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
     module = backends.module("gpu")
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
     coll = COLLECTIVES["allreduce"]
-    psum_fn = chained(coll.chain(coll.ref), mesh, "x", k)
-    rows = []
-    rng = np.random.default_rng(0)
-    for nbytes in sizes:
-        count = nbytes // 4
-        x = jax.device_put(jnp.asarray(rng.standard_normal(n * count, dtype=np.float32)),
-                           NamedSharding(mesh, P("x")))
-        ref = psum_fn(x)
-        scale = float(jnp.max(jnp.abs(ref)))
-        fns, meta = [], []
-        for name, env in configs:
-            fn = chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink")
-            before = _kernels(module, {})
-            with environment({"JAX_BLINK_TWOSHOT_MIN_BYTES": "1M", **env}):
-                got = fn(x)  # the sites are set up here, with this configuration's variables
-                got.block_until_ready()
-            module.check()
-            rel = float(jnp.max(jnp.abs(got - ref))) / scale
-            del got
-            fns.append(fn)
-            meta.append((name, env, _kernels(module, before), rel))
-        t0 = time.time()
-        timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
-        t_psum = statistics.median(timed[0]) / k
-        for (name, env, kernels, rel), times in zip(meta, timed[1:]):
-            t = statistics.median(times) / k
-            rows.append(dict(bytes_per_rank=nbytes, n=n, config=name, env=env,
-                             kernels=", ".join(f"{m} {c}" for m, c in sorted(kernels.items())),
-                             time_us=t * 1e6, psum_time_us=t_psum * 1e6, speedup=t_psum / t,
-                             busbw=nbytes * 2 * (n - 1) / n / t / 1e9, spread=spread(times),
-                             psum_spread=spread(timed[0]), rel_diff=rel, runs=len(times)))
-            print(f"{_fmt(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, "
-                  f"{t_psum / t:.3f}x, {rows[-1]['busbw']:.1f} GB/s busbw, kernels {rows[-1]['kernels']}, "
-                  f"rel. difference {rel:.1e}", flush=True)
-        print(f"# {_fmt(nbytes)}: {len(timed[0])} rounds in {time.time() - t0:.0f} s", flush=True)
-        del x, ref
-    return rows
+
+    def variants():  # the two-shot kernel on from 1 MiB unless a configuration says otherwise
+        return [(name, {"JAX_BLINK_TWOSHOT_MIN_BYTES": "1M", **env},
+                 chained(coll.chain(coll.ours), mesh, "x", k, dispatch="blink")) for name, env in configs]
+
+    def observe():
+        before = _kernels(module, {})
+        return lambda: {"kernels": ", ".join(f"{m} {c}" for m, c in sorted(_kernels(module, before).items()))}
+
+    return against_psum(mesh, sizes, k, runs, variants, observe=observe)
 
 
 def main(argv=None) -> int:

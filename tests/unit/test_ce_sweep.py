@@ -46,3 +46,33 @@ def test_bad_arguments_are_refused(args, named):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "ce_sweep.py"), *args], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_shared_loop_times_and_checks_variants_on_cpu_devices():
+    """sweep_cli.against_psum, which both sweeps run on GPUs, on CPU host devices: a variant's
+    variables hold only around its set-up, its result is compared with psum's, and its row says
+    what it measured and what observe() added."""
+    import jax
+    from jax_blink.tools.timing import COLLECTIVES, chained
+
+    import sweep_cli
+
+    devices = jax.devices()
+    if devices[0].platform != "cpu" or len(devices) < 2:
+        pytest.skip("needs 2+ CPU host devices")
+    mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+    coll = COLLECTIVES["allreduce"]
+    setups = []
+
+    def variants():
+        return [("ours", {"JAX_BLINK_CE_GATHER": "push"}, chained(coll.chain(coll.ours), mesh, "x", 2, dispatch="blink"))]
+
+    def observe():  # before the set-up, then after it
+        setups.append(os.environ.get("JAX_BLINK_CE_GATHER"))
+        return lambda: {"kernels": "cpu"}
+
+    rows = sweep_cli.against_psum(mesh, [4096], 2, 1, variants, name_key="variant", observe=observe)
+    assert len(rows) == 1 and rows[0]["variant"] == "ours" and rows[0]["n"] == len(devices)
+    assert rows[0]["rel_diff"] < 1e-5 and rows[0]["time_us"] > 0 and rows[0]["psum_time_us"] > 0
+    assert rows[0]["env"] == {"JAX_BLINK_CE_GATHER": "push"} and rows[0]["kernels"] == "cpu" and setups == [None]
+    assert "JAX_BLINK_CE_GATHER" not in os.environ

@@ -999,6 +999,8 @@ __global__ void __launch_bounds__(kCopyThreads) one_rank_kernel(const uint8_t* i
 // The two-shot kernel, a primitive of its own (it uses the flags, pointer exchange and data movers
 // above), before the kernel table below.
 #include "cuda/two_shot.cuh"
+// The copy-engine all-reduce's reduction, a primitive of its own (it uses combine_range above).
+#include "cuda/reduce_terms.cuh"
 
 namespace jax_blink::cuda {
 namespace {

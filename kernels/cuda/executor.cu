@@ -1388,25 +1388,6 @@ std::string LaunchWithCopyEngines(Site* s, KernelFn fn, Params& p, cudaStream_t 
 
 namespace {
 
-// LaunchReduceTerms's kernel: block b reduces its 16-byte-aligned share of [0, elems).
-struct ReduceTermsArgs {
-  void* out;
-  const void* src[kMaxRanks];
-  int nsrc;
-  int64_t elems;
-};
-template <class E, class Op>
-__global__ void __launch_bounds__(kThreads) reduce_terms_kernel(const ReduceTermsArgs a) {
-  using S = typename E::S;
-  constexpr int64_t kAlign = 16 / sizeof(S);
-  const int64_t per = ((a.elems + gridDim.x - 1) / gridDim.x + kAlign - 1) / kAlign * kAlign;
-  const int64_t lo = min(a.elems, static_cast<int64_t>(blockIdx.x) * per), hi = min(a.elems, lo + per);
-  if (hi <= lo) return;
-  const S* rest[kMaxRanks];
-  for (int k = 1; k < a.nsrc; ++k) rest[k - 1] = static_cast<const S*>(a.src[k]) + lo;
-  combine_range<E, Op>(static_cast<S*>(a.out) + lo, static_cast<const S*>(a.src[0]) + lo, rest, a.nsrc - 1, nullptr,
-                       0, hi - lo);
-}
 template <class E>
 void LaunchReduceTermsOf(int op, int blocks, cudaStream_t stream, const ReduceTermsArgs& a) {
   if (op == 0) reduce_terms_kernel<E, OpSum><<<blocks, kThreads, 0, stream>>>(a);

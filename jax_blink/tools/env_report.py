@@ -193,6 +193,10 @@ def report() -> str:
     sections.append(("Peer access (CUDA, row -> column)", _peer_access(gpus)))
     sections.append(("What jax_blink would run here", _would_run(devices)))
     env = [f"{k}={v}" for k, v in relevant_environment().items()]
+    try:  # what the CUDA executor's set-up would refuse, said here before any collective runs
+        backends.check_environment()
+    except ValueError as e:
+        env.append(f"NOT UNDERSTOOD: {e}")
     sections.append(("Environment", env or ["(no JAX_BLINK_*, XLA_FLAGS, JAX_PLATFORMS, CUDA_VISIBLE_DEVICES, NCCL_*)"]))
     out = []
     for title, lines in sections:

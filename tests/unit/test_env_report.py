@@ -65,3 +65,18 @@ def test_relevant_environment_keeps_what_changes_a_run():
            "XLA_FLAGS": "--xla_dump_to=/tmp", "PATH": "/bin"}
     assert env_report.relevant_environment(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "JAX_BLINK_ASYNC_ENGINE": "ce",
                                          "NCCL_NVLS_ENABLE": "0", "XLA_FLAGS": "--xla_dump_to=/tmp"}
+
+
+def test_a_value_the_executor_would_refuse_is_said_in_the_report(monkeypatch):
+    import pytest
+
+    from jax_blink.lowering import backends
+
+    mod = backends.module("gpu")
+    if mod is None or not hasattr(mod, "check_environment"):
+        pytest.skip("no CUDA executor in this build: nothing checks its variables")
+    monkeypatch.setenv("JAX_BLINK_CE_GATHER", "scatter")
+    text = env_report.report()
+    assert "NOT UNDERSTOOD: JAX_BLINK_CE_GATHER='scatter' is not understood" in text
+    monkeypatch.setenv("JAX_BLINK_CE_GATHER", "push")
+    assert "NOT UNDERSTOOD" not in env_report.report()

@@ -20,8 +20,8 @@
 # never reaches a set-up, is killed mid-call, brings another shape).
 # Issue 27 (the package built): twoshot runs benchmarks/twoshot_sweep.py (the two-shot kernel's
 # knobs and psum taking turns in one process); cesweep runs benchmarks/ce_sweep.py (the copy
-# engines' all-reduce against the executor and psum, 1 min on 4 x H200); ceprobe runs
-# benchmarks/ce_probe.py (peer copies alone, 1 to n - 1 peers at once; needs CuPy, no build).
+# engines' all-reduce against the executor and psum, 1 min on 4 x H200); linkprobe runs
+# benchmarks/link_probe.py (peer copies and a kernel's peer stores alone, 1 to n - 1 peers at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_ASYNC_BLOCKS="8 12"
@@ -31,7 +31,7 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot cesweep ceprobe "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot cesweep linkprobe "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
@@ -199,10 +199,10 @@ PY
       log cesweep
       timeout -k 5 170 python3 benchmarks/ce_sweep.py --out "$OUT/cesweep" > "$OUT/cesweep.log" 2>&1
       echo "cesweep rc=$?" | tee -a "$OUT/session.log"; grep -v "^|" "$OUT/cesweep.log" | tail -22 ;;
-    ceprobe)  # issue 27: peer copies alone, 1 to n - 1 peers per GPU at once, pull and push
-      log ceprobe
-      timeout -k 5 120 python3 benchmarks/ce_probe.py --out "$OUT/ce-probe.md" > "$OUT/ceprobe.log" 2>&1
-      echo "ceprobe rc=$?" | tee -a "$OUT/session.log"; tail -14 "$OUT/ceprobe.log" ;;
+    linkprobe)  # issue 27: peer copies and stores alone, 1 to n - 1 peers per GPU at once
+      log linkprobe
+      timeout -k 5 120 python3 benchmarks/link_probe.py --out "$OUT/link-probe.md" > "$OUT/linkprobe.log" 2>&1
+      echo "linkprobe rc=$?" | tee -a "$OUT/session.log"; tail -14 "$OUT/linkprobe.log" ;;
     bench)
       log bench
       timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;

@@ -13,7 +13,8 @@ relative to psum's largest value) and its kernel named from the executor's new s
 every configuration run ``--chain`` chained calls per program, taking turns round by round
 (jax_blink.tools.timing.interleaved_times), so a drift of the machine falls on all alike. The table:
 per size and configuration the measured time per call (median), the ratio psum / ours and our bus
-bandwidth. Without --config: the default kernel, the trees (two-shot off), 0, 8, 16 and 32 blocks
+bandwidth. Without --config: the default kernel, the trees (two-shot off), pushes spread over the
+peers (JAX_BLINK_TWOSHOT_PUSH=spread), 0, 8, 16 and 32 blocks
 that only reduce (JAX_BLINK_TWOSHOT_REDUCERS), and 16 of them with pieces of 256 KiB and of 4 MiB.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sweep_cli import against_psum, main as sweep_main, parse_config, size_label
 DEFAULT_CONFIGS = (
     "default:",
     "trees:JAX_BLINK_TWOSHOT_MIN_BYTES=0",
+    "spread:JAX_BLINK_TWOSHOT_PUSH=spread",
     "reducers0:JAX_BLINK_TWOSHOT_REDUCERS=0",
     "reducers8:JAX_BLINK_TWOSHOT_REDUCERS=8",
     "reducers16:JAX_BLINK_TWOSHOT_REDUCERS=16",

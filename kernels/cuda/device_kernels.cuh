@@ -91,6 +91,7 @@ struct Params {
   int64_t ts_chunk, ts_pieces, ts_align;
   int32_t ts_pull;
   int32_t ts_reducers;  // blocks grid - ts_reducers .. grid - 1 only reduce (0: every block runs every step)
+  int32_t ts_spread;    // 1: a block's pushes alternate between the peers (JAX_BLINK_TWOSHOT_PUSH=spread)
   // Mode::kHybrid: blocks grid .. grid + host_blocks - 1 move elements [host_off, host_off +
   // host_elems) through pinned host memory (2 ranks). The communicator's host channel: this
   // rank's outbox and the peer's, each two parity slots of host_slot bytes (device pointers of

@@ -444,6 +444,10 @@ bool TwoShotOnCopyEngines() {  // JAX_BLINK_TWOSHOT_ENGINE: sm (the kernel, defa
   const char* e = EnvValue("JAX_BLINK_TWOSHOT_ENGINE");
   return e != nullptr && strcasecmp(e, "ce") == 0;
 }
+bool TwoShotPushSpread() {  // JAX_BLINK_TWOSHOT_PUSH: serial (each peer's whole piece in turn, default) or spread
+  const char* e = EnvValue("JAX_BLINK_TWOSHOT_PUSH");
+  return e != nullptr && strcasecmp(e, "spread") == 0;
+}
 bool TwoShotPullAlways() {  // JAX_BLINK_TWOSHOT_MODE: auto (push unless an operand aliases its result) or pull
   const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE");
   return e != nullptr && strcasecmp(e, "pull") == 0;
@@ -975,6 +979,7 @@ int64_t ChooseTwoShot(const Program& prog, bool allreduce, int esize, int G, Par
   base->ts_align = align;
   base->ts_pull = TwoShotPullAlways() ? 1 : 0;
   base->ts_reducers = TwoShotReducers(G);
+  base->ts_spread = TwoShotPushSpread() ? 1 : 0;
   base->os_elems = prog.total_elems();
   base->grid = G;
   return pieces;
@@ -1610,6 +1615,8 @@ std::string CheckEnvironment() {
     bad("JAX_BLINK_TWOSHOT_ENGINE", "sm (the two-shot kernel) or ce (copy engines move the bytes, a kernel adds them up)");
   if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE"); e != nullptr && strcasecmp(e, "auto") != 0 && strcasecmp(e, "pull") != 0)
     bad("JAX_BLINK_TWOSHOT_MODE", "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
+  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_PUSH"); e != nullptr && strcasecmp(e, "serial") != 0 && strcasecmp(e, "spread") != 0)
+    bad("JAX_BLINK_TWOSHOT_PUSH", "serial (each peer's whole piece in turn) or spread (the peers in turn every 32 KiB per block)");
   return err;
 }
 

@@ -63,16 +63,59 @@ __device__ __forceinline__ uint32_t* ts_flag(const Params& p, uint8_t* base, int
   return inbox_at(p, base, src, phase, static_cast<int>(u));
 }
 
+// dsts[d][i] = srcs[d][i] for d < nd, i < len (block-wide; srcs are this rank's memory): each
+// round of kThreads * kUnroll vectors goes to every destination before the next round, so the
+// block's stores alternate between its destinations at that grain.
+template <class S>
+__device__ void scatter_range(S* const* dsts, const S* const* srcs, int nd, int64_t len) {
+  constexpr int V = 16 / sizeof(S);
+  uintptr_t bits = 0;
+  for (int d = 0; d < nd; ++d) bits |= reinterpret_cast<uintptr_t>(dsts[d]) | reinterpret_cast<uintptr_t>(srcs[d]);
+  const int64_t nvec = (bits & 15u) == 0 ? len / V : 0;
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll)
+    for (int d = 0; d < nd; ++d) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(srcs[d]);
+      uint4* d4 = reinterpret_cast<uint4*>(dsts[d]);
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) raw[r] = s4[j];
+      }
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r) {
+        const int64_t j = base + int64_t{r} * kThreads;
+        if (j < nvec) d4[j] = raw[r];
+      }
+    }
+  for (int d = 0; d < nd; ++d)
+    for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) dsts[d][i] = srcs[d][i];
+}
+
 // A: this rank's contribution to piece q of every peer's chunk, into the peer's region me;
 // release-flags (A, q) on each. Block-wide.
+// With p.ts_spread the block alternates between the peers every kThreads * kUnroll vectors
+// (scatter_range) instead of sending each peer its whole piece in turn, so that at any moment every
+// peer's link carries this rank's writes, not the one peer that every block of the rank starts with.
 template <class S>
 __device__ __forceinline__ void ts_push(const Params& p, const Shared& sh, const S* in, int64_t mine, int64_t q) {
   const int n = p.nranks, me = p.rank;
   int64_t lo, len;
   ts_piece(p, q, &lo, &len);
-  for (int d = 1; d < n; ++d) {
-    const int j = (me + d) % n;
-    copy_range<S, false>(reinterpret_cast<S*>(sh.pout[j]) + mine + lo, in + static_cast<int64_t>(j) * p.ts_chunk + lo, len);
+  if (p.ts_spread) {
+    S* dsts[kMaxLLRanks];
+    const S* srcs[kMaxLLRanks];
+    for (int d = 1; d < n; ++d) {
+      const int j = (me + d) % n;
+      dsts[d - 1] = reinterpret_cast<S*>(sh.pout[j]) + mine + lo;
+      srcs[d - 1] = in + static_cast<int64_t>(j) * p.ts_chunk + lo;
+    }
+    scatter_range<S>(dsts, srcs, n - 1, len);
+  } else {
+    for (int d = 1; d < n; ++d) {
+      const int j = (me + d) % n;
+      copy_range<S, false>(reinterpret_cast<S*>(sh.pout[j]) + mine + lo, in + static_cast<int64_t>(j) * p.ts_chunk + lo, len);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0)

@@ -1,0 +1,191 @@
+"""How fast each GPU moves bytes to and from its peers when several peers are served at once (GPUs, CuPy).
+
+    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm] [--out FILE.md]
+
+The ceiling that an all-reduce on these links is held against, measured without reductions, flags
+or XLA: every GPU at the same time moves ``--bytes`` to (push) or from (pull) each of k peers, for
+k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order them.
+
+- ``ce``, copy engines (``cudaMemcpyPeerAsync``), pull and push: the k copies on k streams (at
+  once) or on one stream (one after another). A run's time is the host's wall time from the first
+  copy enqueued to the last GPU synchronised.
+- ``sm``, a kernel's 16-byte stores into the peers (push), as the executor's kernels write: every
+  SM (the grid of the two-shot kernel) or half of them; ``serial`` sends each peer the whole buffer
+  in turn, ``spread`` alternates between the peers every 32 KiB per block (JAX_BLINK_TWOSHOT_PUSH).
+  A run's time is the longest of the GPUs' kernels, timed by CUDA events around each.
+
+Each pattern runs ``--runs`` times after a warm-up. The table gives per pattern the median time and
+the MEASURED bytes per second that each GPU sent (push) or received (pull): k x bytes / time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+#: The SM probe's kernel: 512 threads, 4 vectors of 16 bytes in flight per thread, as the
+#: executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range).
+SM_KERNEL = r"""
+extern "C" __global__ void __launch_bounds__(512) push_peers(const uint4* src, uint4* const* dsts, int k,
+                                                           long long nvec, int spread) {
+  const long long per = (nvec + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x;
+  const long long hi = lo + per < nvec ? lo + per : nvec;
+  const int rounds = spread ? 1 : k;
+  for (int pass = 0; pass < rounds; ++pass)
+    for (long long base = lo + threadIdx.x; base < hi; base += 512 * 4)
+      for (int d = spread ? 0 : pass; d < (spread ? k : pass + 1); ++d) {
+        uint4 raw[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) raw[r] = src[base + r * 512];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) dsts[d][base + r * 512] = raw[r];
+      }
+}
+"""
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def table(rows: list[dict], n: int, kind: str, nbytes: int) -> str:
+    """Markdown: one row per pattern, what each number is in the header."""
+    lines = [f"# benchmarks/link_probe.py, {n} x {kind}, {_fmt(nbytes)} per peer, {time.strftime('%Y-%m-%d')}, measured",
+             "",
+             "| engine | direction | peers per GPU (k) | how | median time (us) | per GPU (GB/s, k x bytes / time) | spread |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['direction']} | {r['peers']} | {r['how']} | {r['time_us']:.1f} "
+                     f"| {r['gbps']:.1f} | {100 * r['spread']:.0f}% |")
+    return "\n".join(lines)
+
+
+def _row(engine: str, direction: str, k: int, how: str, times: list[float], nbytes: int) -> dict:
+    t = statistics.median(times)
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [t, t, t]
+    row = dict(engine=engine, direction=direction, peers=k, how=how, time_us=t * 1e6, gbps=k * nbytes / t / 1e9,
+               spread=(q[2] - q[0]) / t, runs=len(times))
+    print(f"{engine} {direction} k={k} {how}: {row['time_us']:.1f} us, {row['gbps']:.1f} GB/s per GPU (measured)",
+          flush=True)
+    return row
+
+
+def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, str]:
+    import cupy as cp
+
+    n = cp.cuda.runtime.getDeviceCount()
+    if n < 2:
+        raise SystemExit(f"link_probe.py: needs 2 or more GPUs (here: {n})")
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    kind, sms = props["name"].decode(), props["multiProcessorCount"]
+    bufs, streams = [], []
+    for g in range(n):
+        with cp.cuda.Device(g):
+            for p in range(n):
+                if p != g:
+                    try:
+                        cp.cuda.runtime.deviceEnablePeerAccess(p)
+                    except cp.cuda.runtime.CUDARuntimeError as e:  # enabled already: fine
+                        if "AlreadyEnabled" not in str(e):
+                            raise
+            # One source and n - 1 destination slots per GPU, filled so that no page is untouched.
+            bufs.append((cp.full(nbytes // 4, g + 1, cp.float32), cp.zeros((n - 1, nbytes // 4), cp.float32)))
+            streams.append([cp.cuda.Stream(non_blocking=True) for _ in range(n - 1)])
+
+    def slot(dst_gpu: int, src_gpu: int):  # dst_gpu's slot for what src_gpu sends it
+        return bufs[dst_gpu][1][(src_gpu - dst_gpu - 1) % n]
+
+    def sync_all():
+        for g in range(n):
+            with cp.cuda.Device(g):
+                cp.cuda.runtime.deviceSynchronize()
+
+    def once_ce(direction: str, k: int, parallel: bool) -> float:
+        t0 = time.perf_counter()
+        for g in range(n):
+            with cp.cuda.Device(g):
+                for i in range(1, k + 1):
+                    p = (g + i) % n
+                    s = streams[g][i - 1 if parallel else 0]
+                    d, dd, src, sd = (slot(g, p), g, bufs[p][0], p) if direction == "pull" else (slot(p, g), p, bufs[g][0], g)
+                    cp.cuda.runtime.memcpyPeerAsync(d.data.ptr, dd, src.data.ptr, sd, nbytes, s.ptr)
+        sync_all()
+        return time.perf_counter() - t0
+
+    kernels, tables = [], []
+    if "sm" in engines:
+        for g in range(n):
+            with cp.cuda.Device(g):
+                kernels.append(cp.RawModule(code=SM_KERNEL, options=("-std=c++17",)).get_function("push_peers"))
+                tables.append(cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64))
+
+    def once_sm(k: int, grid: int, spread: bool) -> float:
+        events = []
+        for g in range(n):
+            with cp.cuda.Device(g):
+                s = streams[g][0]
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(s)
+                kernels[g]((grid,), (512,), (bufs[g][0], tables[g], cp.int32(k), cp.int64(nbytes // 16), cp.int32(spread)),
+                           stream=s)
+                e1.record(s)
+                events.append((e0, e1))
+        sync_all()
+        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in events) / 1e3
+
+    rows = []
+    if "ce" in engines:
+        for direction in ("pull", "push"):
+            for k in range(1, n):
+                for parallel in ((False, True) if k > 1 else (True,)):
+                    once_ce(direction, k, parallel)  # warm-up
+                    how = f"{k if parallel else 1} stream(s)"
+                    rows.append(_row("ce", direction, k, how, [once_ce(direction, k, parallel) for _ in range(runs)], nbytes))
+    if "sm" in engines:
+        for grid in (sms, sms // 2):
+            for k in range(1, n):
+                for spread in ((False, True) if k > 1 else (False,)):
+                    once_sm(k, grid, spread)  # warm-up
+                    how = f"{'spread' if spread else 'serial'}, {grid} blocks"
+                    rows.append(_row("sm", "push", k, how, [once_sm(k, grid, spread) for _ in range(runs)], nbytes))
+    # The bytes must have landed: every slot written holds its sender's value.
+    for g in range(n):
+        with cp.cuda.Device(g):
+            got = {int(v) for v in cp.unique(bufs[g][1][:, :1024]).get()}
+            if not got <= set(range(1, n + 1)) - {g + 1}:
+                raise SystemExit(f"link_probe.py: GPU {g}'s slots hold {sorted(got)}: the copies went wrong")
+    return rows, n, kind
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from jax_blink.tools import arguments as cli
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bytes", default=256 << 20, type=cli.byte_count, help="bytes per peer (default 256M)")
+    ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=10, help="timed runs per pattern")
+    ap.add_argument("--engines", default="ce,sm", help="ce (copy engines), sm (a kernel's stores), or both: ce,sm")
+    ap.add_argument("--out", help="write the table to this Markdown file")
+    args = ap.parse_args(argv)
+    if args.bytes < 4096 or args.bytes % 16:
+        ap.error(f"--bytes: got {args.bytes}; takes at least 4K, a multiple of 16")
+    engines = [e.strip().lower() for e in args.engines.split(",") if e.strip()]
+    if not engines or set(engines) - {"ce", "sm"}:
+        ap.error(f"--engines: got {args.engines!r}; takes ce, sm or ce,sm")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        ap.error("needs CuPy (pip install cupy-cuda13x) and 2 or more GPUs")
+    rows, n, kind = run(args.bytes, args.runs, engines)
+    text = table(rows, n, kind, args.bytes)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

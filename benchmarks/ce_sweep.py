@@ -10,11 +10,12 @@ One process, 2 or more GPUs, one float32 operand per size (fresh random data). V
   on 2 GPUs);
 - every ``--config``: ``all_reduce_done(all_reduce_start(x))`` back to back, its sites set up
   while the configuration's variables are set (``JAX_BLINK_ASYNC_ENGINE``,
-  ``JAX_BLINK_CE_PIECE_BYTES``, ``JAX_BLINK_CE_GATHER``, ``JAX_BLINK_ASYNC_BLOCKS`` are read at a
+  ``JAX_BLINK_CE_PIECE_BYTES``, ``JAX_BLINK_CE_SCATTER``, ``JAX_BLINK_CE_GATHER``, ``JAX_BLINK_ASYNC_BLOCKS`` are read at a
   site's first call, so each configuration's sites keep their own). A copy-engine configuration
   reduces on ``JAX_BLINK_ASYNC_BLOCKS`` blocks (unless it sets them: the GPU's SM count, 132 on an
   H100 or H200); any other start runs with ``full_grid=True`` (the executor's whole grid; a full-grid
-  start always runs the kernel). Default: the copy engines with pieces of 4, 16 and 64 MiB, and the
+  start always runs the kernel). Default: the copy engines with pieces of 4, 16 and 64 MiB, pieces
+  of 16 MiB with the reduce-scatter pushed (and with the all-gather pushed too), and the
   executor's kernel on the asynchronous lane (``sm``) for reference.
 
 Every variant's first result is compared with psum's on the devices (largest difference relative
@@ -36,6 +37,8 @@ DEFAULT_CONFIGS = (
     "ce-4M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=4M",
     "ce-16M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=16M",
     "ce-64M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=64M",
+    "ce-push-16M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=16M,JAX_BLINK_CE_SCATTER=push",
+    "ce-push-push-16M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=16M,JAX_BLINK_CE_SCATTER=push,JAX_BLINK_CE_GATHER=push",
     "sm-async:JAX_BLINK_ASYNC_ENGINE=sm",
 )
 

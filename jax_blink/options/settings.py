@@ -269,6 +269,7 @@ _ENV_ELSEWHERE = (
     "JAX_BLINK_ASYNC_ENGINE",  # kernels/cuda/async_ce.cc: its bytes on copy engines (ce) or SMs (sm)
     "JAX_BLINK_CE_PIECE_BYTES",  # kernels/cuda/async_ce.cc: the pieces its copies and reductions pipeline
     "JAX_BLINK_CE_GATHER",  # kernels/cuda/async_ce.cc: its all-gather reads the peers (pull) or writes them (push)
+    "JAX_BLINK_CE_SCATTER",  # kernels/cuda/async_ce.cc: its reduce-scatter likewise
     "JAX_BLINK_IPC_BLOCKS",  # kernels/cuda/ipc.cu: the IPC kernels' most blocks (default: one per SM)
     "JAX_BLINK_SETUP_TIMEOUT_S", "JAX_BLINK_PROCESSES_PER_HOST",  # jax_blink/lowering/processes.py
     "JAX_BLINK_FULL_BINDING",  # jax_blink/api/collectives.py: GPU calls carry every attribute (issue 17)

@@ -10,8 +10,13 @@
 // each chunk cut into Q pieces (piece_bytes each, at most kMaxPieces):
 //   1. record `ready` on the side stream (x is written, out is free); meet the peers (phase 0);
 //   2. per peer, on a copy stream of its own (so that several copy engines run at once; peer r + i
-//      first, so that no rank is every reader's first source), after the peer's `ready`: pull the
-//      peer's pieces of chunk r into this device's scratch, one event per piece;
+//      first, so that no rank is every reader's first source), after the peer's `ready`, one of two
+//      ways (JAX_BLINK_CE_SCATTER), one event per piece:
+//      pull (default): copy the peer's pieces of chunk r into this device's scratch;
+//      push: copy this rank's pieces of the peer's chunk into the peer's scratch (its slot for this
+//        rank), then meet (phase 3, "its terms sent": every rank's events of this call are
+//        recorded). Copy engines that write across NVLink keep their rate with 3 peers at once,
+//        ones that read do not (benchmarks/link_probe.py, 4 x H200: 373 against 196 GB/s per GPU);
 //   3. on the side stream, per piece: wait for every peer's copy of it, reduce it in rank order
 //      into out (this rank's term from x), record `reduced[q]`;
 //   4. the all-gather, per peer on its copy stream, one of two ways (JAX_BLINK_CE_GATHER):
@@ -25,7 +30,8 @@
 //      out any more, once the side stream passes here.
 // Why the events are the right ones: a rank records call k + 1's events only after phase 2 of
 // call k, which every peer reaches only after it enqueued its waits on call k's events
-// (a wait captures the event's record at the time it is enqueued). Every rank makes its calls in
+// (a wait captures the event's record at the time it is enqueued; a pushed piece's event is waited
+// on only after phase 3, when its record of this call is made). Every rank makes its calls in
 // program order, so the k-th call of every rank is the same call. The copy streams start after
 // `ready` and end before `finished` on the side stream: the scratch and the events of one device
 // are never used by two calls at once.
@@ -55,6 +61,8 @@ struct Slot {  // one rank's part of the current call, published before it meets
   int device = -1;
   const char* in = nullptr;
   char* out = nullptr;
+  char* scratch = nullptr;              // the device's scratch: where pushing peers write
+  const cudaEvent_t* pushed = nullptr;  // pushed[(i - 1) * kMaxPieces + q]: piece q to rank + i has landed
   cudaEvent_t ready = nullptr, finished = nullptr;
   cudaEvent_t reduced[kMaxPieces] = {};  // piece q of this rank's chunk is reduced
   int64_t calls = 0;
@@ -64,10 +72,11 @@ struct Group {
   explicit Group(int n) : slots(n) {}
   int64_t piece_bytes = kDefaultPieceBytes;  // JAX_BLINK_CE_PIECE_BYTES, read when the group is made
   bool push = false;                         // JAX_BLINK_CE_GATHER=push, likewise
+  bool scatter_push = false;                 // JAX_BLINK_CE_SCATTER=push, likewise
   std::mutex mu;
   std::condition_variable cv;
   std::vector<Slot> slots;
-  int64_t arrivals[3] = {0, 0, 0};
+  int64_t arrivals[4] = {0, 0, 0, 0};
   std::string failed;  // set by the first rank that timed out: every later call fails with it
 };
 
@@ -78,7 +87,8 @@ struct DeviceState {
   void* scratch = nullptr;
   size_t bytes = 0;
   std::vector<cudaStream_t> copy;     // copy[i - 1]: the stream of peer rank + i
-  std::vector<cudaEvent_t> piece;     // piece[(i - 1) * kMaxPieces + q]: peer i's piece q is here
+  std::vector<cudaEvent_t> piece;     // piece[(i - 1) * kMaxPieces + q]: peer i's piece q is here (pull) or
+                                      // this rank's piece q is in peer i's scratch (push)
   std::vector<cudaEvent_t> gathered;  // gathered[i - 1]: this rank's all-gather copies with peer i are done
 };
 
@@ -92,6 +102,7 @@ std::string CudaErr(const char* what, cudaError_t e) {
 
 std::string PieceBytes(int64_t* bytes);
 std::string GatherPushes(bool* push);
+std::string ScatterPushes(bool* push);
 
 // The group of call site `comm_id`, made (with its settings from the environment) at its first call.
 std::string GroupOf(int64_t comm_id, int n, Group** out) {
@@ -101,13 +112,14 @@ std::string GroupOf(int64_t comm_id, int n, Group** out) {
     auto made = std::make_unique<Group>(n);
     if (std::string err = PieceBytes(&made->piece_bytes); !err.empty()) return err;
     if (std::string err = GatherPushes(&made->push); !err.empty()) return err;
+    if (std::string err = ScatterPushes(&made->scatter_push); !err.empty()) return err;
     g = std::move(made);
   }
   *out = g.get();
   return {};
 }
 
-const char* const kPhase[3] = {"its operand ready", "its chunk reduced", "its copies done"};
+const char* const kPhase[4] = {"its operand ready", "its chunk reduced", "its copies done", "its terms sent"};
 
 // Counts this rank in `phase` of call `call` and waits until every rank of the group has.
 std::string Meet(Group& g, int phase, int rank, int64_t call, int64_t timeout_ms) {
@@ -208,6 +220,13 @@ std::string GatherPushes(bool* push) {
                    push);
 }
 
+std::string ScatterPushes(bool* push) {
+  return EnvChoice("JAX_BLINK_CE_SCATTER", "pull", "push",
+                   "pull (each rank reads its peers' terms of its chunk) or push (each rank writes its terms into "
+                   "its peers)",
+                   push);
+}
+
 }  // namespace
 
 std::string AsyncEngineIsCopyEngines(bool* ce) {
@@ -221,6 +240,7 @@ std::string CheckCopyEngineEnvironment() {
   int64_t bytes = 0;
   if (std::string err = AsyncEngineIsCopyEngines(&flag); !err.empty()) return err;
   if (std::string err = PieceBytes(&bytes); !err.empty()) return err;
+  if (std::string err = ScatterPushes(&flag); !err.empty()) return err;
   return GatherPushes(&flag);
 }
 
@@ -232,7 +252,7 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
   if (std::string err = GroupOf(comm_id, nranks, &group); !err.empty()) return err;
   Group& g = *group;
   const int64_t piece_bytes = g.piece_bytes;
-  const bool push = g.push;
+  const bool push = g.push, scatter_push = g.scatter_push;
   const int64_t align = 16 / esize;
   const int64_t c = ((elems + nranks - 1) / nranks + align - 1) / align * align;  // elements per chunk
   // Elements per piece: a whole number of atoms, and at most kMaxPieces pieces per chunk.
@@ -266,13 +286,17 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     me.device = device;
     me.in = x;
     me.out = y;
+    me.scratch = static_cast<char*>(d->scratch);
+    me.pushed = d->piece.data();
     call = ++me.calls;
     const cudaError_t e = cudaEventRecord(me.ready, side);
     if (e != cudaSuccess) return CudaErr("recording 'ready'", e);
   }
   if (std::string err = Meet(g, 0, rank, call, timeout_ms); !err.empty()) return err;
   const Slot& me = g.slots[rank];
-  // 2: the peers' pieces of chunk r, each peer on its own copy stream.
+  // 2: the terms of chunk r from the peers (pull), or this rank's terms of every peer's chunk into
+  // the peers (push), each peer on its own copy stream. Scratch slot i - 1 of rank r holds the term
+  // of rank r + i.
   const char* terms[kMaxRanks];  // where each rank's term of chunk r lies on this device
   terms[rank] = x + first(rank) * esize;
   for (int i = 1; i < nranks; ++i) {
@@ -282,18 +306,32 @@ std::string StartWithCopyEngines(int64_t comm_id, int rank, int nranks, int devi
     char* dst = static_cast<char*>(d->scratch) + static_cast<int64_t>(i - 1) * c * esize;
     terms[s] = dst;
     cudaError_t e = cudaStreamWaitEvent(cs, me.ready, 0);  // after the previous call's reduction
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(cs, p.ready, 0);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(cs, p.ready, 0);  // the peer's scratch is free, its x written
+    // Push: this rank's term goes into the peer's slot for rank r, i.e. its slot n - i - 1.
+    char* peer_dst = p.scratch + static_cast<int64_t>(nranks - i - 1) * c * esize;
     for (int q = 0; q < pieces && e == cudaSuccess; ++q) {
-      const int64_t off = q * pe * esize, n = piece_count(rank, q);
-      if (n > 0) e = cudaMemcpyPeerAsync(dst + off, device, p.in + first(rank) * esize + off, p.device, n * esize, cs);
+      const int64_t off = q * pe * esize;
+      if (scatter_push) {
+        const int64_t n = piece_count(s, q);
+        if (n > 0) e = cudaMemcpyPeerAsync(peer_dst + off, p.device, x + first(s) * esize + off, device, n * esize, cs);
+      } else {
+        const int64_t n = piece_count(rank, q);
+        if (n > 0) e = cudaMemcpyPeerAsync(dst + off, device, p.in + first(rank) * esize + off, p.device, n * esize, cs);
+      }
       if (e == cudaSuccess) e = cudaEventRecord(d->piece[(i - 1) * kMaxPieces + q], cs);
     }
     if (e != cudaSuccess) return CudaErr("copying a peer's term (copy engine)", e);
   }
-  // 3: each piece reduced as soon as every peer's copy of it is here.
+  // 3: each piece reduced as soon as every peer's copy of it is here. Pushed pieces: after phase 3,
+  // when every peer has recorded its events of this call; rank r + i pushed into slot i - 1 with
+  // its copy stream n - i.
+  if (scatter_push)
+    if (std::string err = Meet(g, 3, rank, call, timeout_ms); !err.empty()) return err;
   for (int q = 0; q < pieces; ++q) {
     cudaError_t e = cudaSuccess;
-    for (int i = 1; i < nranks && e == cudaSuccess; ++i) e = cudaStreamWaitEvent(side, d->piece[(i - 1) * kMaxPieces + q], 0);
+    for (int i = 1; i < nranks && e == cudaSuccess; ++i)
+      e = cudaStreamWaitEvent(side, scatter_push ? g.slots[(rank + i) % nranks].pushed[(nranks - i - 1) * kMaxPieces + q]
+                                                 : d->piece[(i - 1) * kMaxPieces + q], 0);
     if (e != cudaSuccess) return CudaErr("waiting for a peer's term", e);
     const int64_t off = q * pe * esize, n = piece_count(rank, q);
     if (n > 0) {

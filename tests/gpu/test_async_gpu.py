@@ -149,18 +149,21 @@ def test_copy_engine_form_on_gpus(dtype, monkeypatch):
 
 
 
-@pytest.mark.parametrize("piece,gather,full_grid", [("16K", "pull", False), ("1M", "pull", False),
-                                                    ("16K", "push", False), ("1M", "push", False),
-                                                    ("16K", "pull", True)])
-def test_copy_engine_pieces(piece, gather, full_grid, monkeypatch):
+@pytest.mark.parametrize("piece,gather,full_grid,scatter", [("16K", "pull", False, "pull"), ("1M", "pull", False, "pull"),
+                                                            ("16K", "push", False, "pull"), ("1M", "push", False, "pull"),
+                                                            ("16K", "pull", True, "pull"), ("16K", "pull", False, "push"),
+                                                            ("1M", "push", False, "push"), ("16K", "push", False, "push")])
+def test_copy_engine_pieces(piece, gather, full_grid, scatter, monkeypatch):
     """The copy engines' chunks cut into pieces (16K: the most pieces, 16 per chunk, with a ragged
-    last one; 1M: one piece per chunk here), the all-gather pulled or pushed; with full_grid the
+    last one; 1M: one piece per chunk here), the reduce-scatter and the all-gather each pulled or
+    pushed; with full_grid the
     start runs the executor's kernel instead (the last bucket's engine): equal to
     psum exactly (int32), on fresh random data, after a call that wrote other values into the
     same program's outputs."""
     monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")
     monkeypatch.setenv("JAX_BLINK_CE_PIECE_BYTES", piece)
     monkeypatch.setenv("JAX_BLINK_CE_GATHER", gather)
+    monkeypatch.setenv("JAX_BLINK_CE_SCATTER", scatter)
     n = len(GPUS)
     rng = np.random.default_rng(23)
 
@@ -183,7 +186,9 @@ def test_copy_engine_pieces(piece, gather, full_grid, monkeypatch):
                                      ({"JAX_BLINK_ASYNC_ENGINE": "ce", "JAX_BLINK_CE_PIECE_BYTES": "lots"},
                                       "JAX_BLINK_CE_PIECE_BYTES='lots'"),
                                      ({"JAX_BLINK_ASYNC_ENGINE": "ce", "JAX_BLINK_CE_GATHER": "scatter"},
-                                      "JAX_BLINK_CE_GATHER='scatter'")])
+                                      "JAX_BLINK_CE_GATHER='scatter'"),
+                                     ({"JAX_BLINK_ASYNC_ENGINE": "ce", "JAX_BLINK_CE_SCATTER": "gather"},
+                                      "JAX_BLINK_CE_SCATTER='gather'")])
 def test_copy_engine_value_not_understood(env, bad, monkeypatch):
     """A value the copy engines' variables do not take fails the start, naming it."""
     for name, value in env.items():

@@ -77,6 +77,7 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_CE_PIECE_BYTES", "lots", "byte count"),
     ("JAX_BLINK_CE_PIECE_BYTES", "8", "at least 16"),
     ("JAX_BLINK_CE_GATHER", "scatter", "pull .* or push"),
+    ("JAX_BLINK_CE_SCATTER", "gather", "pull .* or push"),
 ])
 def test_a_value_not_understood_is_named_with_what_it_takes(monkeypatch, name, value, takes):
     monkeypatch.setenv(name, value)

@@ -124,10 +124,13 @@ def test_two_shot_stays_off_below_its_size(monkeypatch):
                                  {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_REDUCERS": "0"},
                                  {"JAX_BLINK_TWOSHOT_ENGINE": "ce"},
                                  {"JAX_BLINK_TWOSHOT_ENGINE": "ce", "JAX_BLINK_CE_PIECE_BYTES": "64K"},
+                                 {"JAX_BLINK_TWOSHOT_ENGINE": "ce", "JAX_BLINK_CE_SCATTER": "push",
+                                  "JAX_BLINK_CE_PIECE_BYTES": "64K"},
                                  {"JAX_BLINK_TWOSHOT_PUSH": "spread"},
                                  {"JAX_BLINK_TWOSHOT_PUSH": "spread", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "16K"}],
                          ids=["pull", "pieces16K", "pieces4M", "pull-pieces16K", "reducers0", "reducers1",
                               "reducers-most-pieces16K", "pull-reducers0", "copy-engines", "copy-engines-pieces64K",
+                              "copy-engines-scatter-push-pieces64K",
                               "spread", "spread-pieces16K"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_shot_knobs_keep_the_result(env, dtype, monkeypatch):

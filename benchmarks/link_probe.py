@@ -7,12 +7,14 @@ or XLA: every GPU at the same time moves ``--bytes`` to (push) or from (pull) ea
 k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order them.
 
 - ``ce``, copy engines (``cudaMemcpyPeerAsync``), pull and push: the k copies on k streams (at
-  once) or on one stream (one after another). A run's time is the host's wall time from the first
-  copy enqueued to the last GPU synchronised.
-- ``sm``, a kernel's 16-byte stores into the peers (push), as the executor's kernels write: every
-  SM (the grid of the two-shot kernel) or half of them; ``serial`` sends each peer the whole buffer
-  in turn, ``spread`` alternates between the peers every 32 KiB per block (JAX_BLINK_TWOSHOT_PUSH).
-  A run's time is the longest of the GPUs' kernels, timed by CUDA events around each.
+  once) or on one stream (one after another); and pushes on k streams cut into copies of 16 MiB
+  (as the copy-engine all-reduce cuts its chunks). A run's time is the host's wall time from the
+  first copy enqueued to the last GPU synchronised.
+- ``sm``, a kernel's 16-byte stores into the peers (push), as the executor's kernels write, or its
+  16-byte loads from the peers into this GPU (pull), on every SM (the grid of the two-shot kernel)
+  or half of them; ``serial`` serves each peer the whole buffer in turn, ``spread`` alternates
+  between the peers every 32 KiB per block (JAX_BLINK_TWOSHOT_PUSH). A run's time is the longest of
+  the GPUs' kernels, timed by CUDA events around each.
 
 Each pattern runs ``--runs`` times after a warm-up. The table gives per pattern the median time and
 the MEASURED bytes per second that each GPU sent (push) or received (pull): k x bytes / time.
@@ -28,6 +30,22 @@ import time
 #: The SM probe's kernel: 512 threads, 4 vectors of 16 bytes in flight per thread, as the
 #: executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range).
 SM_KERNEL = r"""
+extern "C" __global__ void __launch_bounds__(512) pull_peers(uint4* const* dsts, const uint4* const* srcs, int k,
+                                                           long long nvec, int spread) {
+  const long long per = (nvec + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x;
+  const long long hi = lo + per < nvec ? lo + per : nvec;
+  const int rounds = spread ? 1 : k;
+  for (int pass = 0; pass < rounds; ++pass)
+    for (long long base = lo + threadIdx.x; base < hi; base += 512 * 4)
+      for (int d = spread ? 0 : pass; d < (spread ? k : pass + 1); ++d) {
+        uint4 raw[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) raw[r] = __ldcg(srcs[d] + base + r * 512);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) dsts[d][base + r * 512] = raw[r];
+      }
+}
+
 extern "C" __global__ void __launch_bounds__(512) push_peers(const uint4* src, uint4* const* dsts, int k,
                                                            long long nvec, int spread) {
   const long long per = (nvec + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x;
@@ -102,7 +120,8 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
             with cp.cuda.Device(g):
                 cp.cuda.runtime.deviceSynchronize()
 
-    def once_ce(direction: str, k: int, parallel: bool) -> float:
+    def once_ce(direction: str, k: int, parallel: bool, piece: int = 0) -> float:
+        piece = piece or nbytes
         t0 = time.perf_counter()
         for g in range(n):
             with cp.cuda.Device(g):
@@ -110,7 +129,9 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                     p = (g + i) % n
                     s = streams[g][i - 1 if parallel else 0]
                     d, dd, src, sd = (slot(g, p), g, bufs[p][0], p) if direction == "pull" else (slot(p, g), p, bufs[g][0], g)
-                    cp.cuda.runtime.memcpyPeerAsync(d.data.ptr, dd, src.data.ptr, sd, nbytes, s.ptr)
+                    for off in range(0, nbytes, piece):
+                        cp.cuda.runtime.memcpyPeerAsync(d.data.ptr + off, dd, src.data.ptr + off, sd,
+                                                        min(piece, nbytes - off), s.ptr)
         sync_all()
         return time.perf_counter() - t0
 
@@ -118,18 +139,27 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
     if "sm" in engines:
         for g in range(n):
             with cp.cuda.Device(g):
-                kernels.append(cp.RawModule(code=SM_KERNEL, options=("-std=c++17",)).get_function("push_peers"))
-                tables.append(cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64))
+                module = cp.RawModule(code=SM_KERNEL, options=("-std=c++17",))
+                kernels.append((module.get_function("push_peers"), module.get_function("pull_peers")))
+                # push: the peers' slots for g; pull: g's own slots and the peers' sources
+                tables.append((cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64),
+                               cp.array([slot(g, (g + i) % n).data.ptr for i in range(1, n)], dtype=cp.uint64),
+                               cp.array([bufs[(g + i) % n][0].data.ptr for i in range(1, n)], dtype=cp.uint64)))
 
-    def once_sm(k: int, grid: int, spread: bool) -> float:
+    def once_sm(direction: str, k: int, grid: int, spread: bool) -> float:
         events = []
         for g in range(n):
             with cp.cuda.Device(g):
                 s = streams[g][0]
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record(s)
-                kernels[g]((grid,), (512,), (bufs[g][0], tables[g], cp.int32(k), cp.int64(nbytes // 16), cp.int32(spread)),
-                           stream=s)
+                push, pull = kernels[g]
+                to_peers, mine, sources = tables[g]
+                rest = (cp.int32(k), cp.int64(nbytes // 16), cp.int32(spread))
+                if direction == "push":
+                    push((grid,), (512,), (bufs[g][0], to_peers, *rest), stream=s)
+                else:
+                    pull((grid,), (512,), (mine, sources, *rest), stream=s)
                 e1.record(s)
                 events.append((e0, e1))
         sync_all()
@@ -143,13 +173,21 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                     once_ce(direction, k, parallel)  # warm-up
                     how = f"{k if parallel else 1} stream(s)"
                     rows.append(_row("ce", direction, k, how, [once_ce(direction, k, parallel) for _ in range(runs)], nbytes))
-    if "sm" in engines:
-        for grid in (sms, sms // 2):
+        piece = 16 << 20
+        if nbytes > piece:
             for k in range(1, n):
-                for spread in ((False, True) if k > 1 else (False,)):
-                    once_sm(k, grid, spread)  # warm-up
-                    how = f"{'spread' if spread else 'serial'}, {grid} blocks"
-                    rows.append(_row("sm", "push", k, how, [once_sm(k, grid, spread) for _ in range(runs)], nbytes))
+                once_ce("push", k, True, piece)
+                rows.append(_row("ce", "push", k, f"{k} stream(s), copies of 16 MiB",
+                                 [once_ce("push", k, True, piece) for _ in range(runs)], nbytes))
+    if "sm" in engines:
+        for direction in ("push", "pull"):
+            for grid in (sms, sms // 2):
+                for k in range(1, n):
+                    for spread in ((False, True) if k > 1 else (False,)):
+                        once_sm(direction, k, grid, spread)  # warm-up
+                        how = f"{'spread' if spread else 'serial'}, {grid} blocks"
+                        rows.append(_row("sm", direction, k, how,
+                                         [once_sm(direction, k, grid, spread) for _ in range(runs)], nbytes))
     # The bytes must have landed: every slot written holds its sender's value.
     for g in range(n):
         with cp.cuda.Device(g):

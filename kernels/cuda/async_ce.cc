@@ -105,17 +105,19 @@ std::string GatherPushes(bool* push);
 std::string ScatterPushes(bool* push);
 
 // The group of call site `comm_id`, made (with its settings from the environment) at its first call.
+// A group enters the map only once its settings are read: a value not understood leaves no entry
+// (an empty one made ResetCopyEngines dereference a null group, 4 x H200, session 7).
 std::string GroupOf(int64_t comm_id, int n, Group** out) {
   std::lock_guard<std::mutex> lock(g_mu);
-  std::unique_ptr<Group>& g = g_groups[comm_id];
-  if (!g) {
+  auto it = g_groups.find(comm_id);
+  if (it == g_groups.end()) {
     auto made = std::make_unique<Group>(n);
     if (std::string err = PieceBytes(&made->piece_bytes); !err.empty()) return err;
     if (std::string err = GatherPushes(&made->push); !err.empty()) return err;
     if (std::string err = ScatterPushes(&made->scatter_push); !err.empty()) return err;
-    g = std::move(made);
+    it = g_groups.emplace(comm_id, std::move(made)).first;
   }
-  *out = g.get();
+  *out = it->second.get();
   return {};
 }
 
@@ -386,6 +388,7 @@ std::string ResetCopyEngines() {
   cudaGetDevice(&saved);
   std::string err;
   for (auto& [comm_id, g] : g_groups) {
+    if (!g) continue;
     std::lock_guard<std::mutex> group_lock(g->mu);
     for (Slot& s : g->slots) {
       if (s.ready == nullptr) continue;

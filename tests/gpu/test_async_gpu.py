@@ -202,3 +202,10 @@ def test_copy_engine_value_not_understood(env, bad, monkeypatch):
 
     with override(dispatch="blink"), pytest.raises(Exception, match=re.escape(bad) + " is not understood"):
         np.asarray(f(x))
+    # The refused start left nothing behind that reset() would trip over (it crashed the suite's
+    # process once: a group entry without a group).
+    jax_blink.reset()
+    for name in env:
+        monkeypatch.delenv(name)
+    with override(dispatch="blink"):
+        np.testing.assert_array_equal(np.asarray(f(x)), np.full(64, len(GPUS), np.float32))

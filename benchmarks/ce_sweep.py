@@ -55,7 +55,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) -> list[dict]:
+def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int, profile: str | None = None) -> list[dict]:
     import jax
 
     import jax_blink
@@ -83,7 +83,7 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
              chained(start_done(not on_copy_engines(env)), mesh, "x", k, dispatch="blink"))
             for name, env in configs]
 
-    return against_psum(mesh, sizes, k, runs, variants, name_key="variant")
+    return against_psum(mesh, sizes, k, runs, variants, name_key="variant", profile=profile)
 
 
 def main(argv=None) -> int:

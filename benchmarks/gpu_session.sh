@@ -20,7 +20,8 @@
 # never reaches a set-up, is killed mid-call, brings another shape).
 # Issue 27 (the package built): twoshot runs benchmarks/twoshot_sweep.py (the two-shot kernel's
 # knobs and psum taking turns in one process); cesweep runs benchmarks/ce_sweep.py (the copy
-# engines' all-reduce against the executor and psum, 1 min on 4 x H200); linkprobe runs
+# engines' all-reduce against the executor and psum, 1 min on 4 x H200; CESWEEP_ARGS adds arguments,
+# e.g. "--sizes 64M,1G --profile $OUT/cesweep-profile": a trace per variant and how its copies ran); linkprobe runs
 # benchmarks/link_probe.py (peer copies and a kernel's peer stores alone, 1 to n - 1 peers at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
@@ -197,7 +198,7 @@ PY
       echo "twoshot rc=$?" | tee -a "$OUT/session.log"; grep -v "^|" "$OUT/twoshot.log" | tail -24 ;;
     cesweep)  # issue 27/28: the copy engines' all-reduce, back to back, against the executor and psum
       log cesweep
-      timeout -k 5 170 python3 benchmarks/ce_sweep.py --out "$OUT/cesweep" > "$OUT/cesweep.log" 2>&1
+      timeout -k 5 170 python3 benchmarks/ce_sweep.py --out "$OUT/cesweep" ${CESWEEP_ARGS:-} > "$OUT/cesweep.log" 2>&1
       echo "cesweep rc=$?" | tee -a "$OUT/session.log"; grep -v "^|" "$OUT/cesweep.log" | tail -22 ;;
     linkprobe)  # issue 27: peer copies and stores alone, 1 to n - 1 peers per GPU at once
       log linkprobe

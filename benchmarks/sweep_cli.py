@@ -1,6 +1,7 @@
 """The command line and the files of the settings sweeps (twoshot_sweep.py, ce_sweep.py): sizes,
 ``--config NAME:VAR=VALUE,...`` settings, the chain and rounds; a Markdown table and its rows as
-JSON in ``--out``; exit 1 when a result differed from psum's."""
+JSON in ``--out``; with ``--profile DIR`` one traced program per size and variant; exit 1 when a
+result differed from psum's."""
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,14 @@ def main(argv, *, description: str, script: str, run, table, default_configs, de
     ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=8,
                     help="rounds at least (more until 0.5 s per variant)")
     ap.add_argument("--out", default=out_default, help="folder for sweep.md and sweep.json")
+    ap.add_argument("--profile", metavar="DIR", help="after the timing, trace one program of each size and variant "
+                    "(jax.profiler) under DIR and print how its peer copies ran (jax_blink.tools.trace_copies)")
     args = ap.parse_args(argv)
     try:
         configs = [parse_config(c) for c in (args.config or default_configs)]
     except ValueError as e:
         ap.error(str(e))
-    rows = run(args.sizes, configs, args.chain, args.runs)
+    rows = run(args.sizes, configs, args.chain, args.runs, profile=args.profile)
     import jax
 
     head = (f"# benchmarks/{script}, {len(jax.devices())} x {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -67,14 +70,17 @@ def main(argv, *, description: str, script: str, run, table, default_configs, de
 
 
 def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_key: str = "config",
-                 observe=None) -> list[dict]:
+                 observe=None, profile: str | None = None) -> list[dict]:
     """Per size, on fresh float32 data (one operand per rank): psum's result, then every variant of
     ``variants()`` (``(name, env, fn)``, ``fn`` a chained program) run once while ``env`` is set,
     so that its call sites are set up with it, and compared with psum's (largest difference
     relative to psum's largest value); then psum and all variants taking turns
     (``jax_blink.tools.timing.interleaved_times``, 0.5 s per variant at least). ``observe()``,
     called before a variant's first run, returns a function whose dict, called after it, joins the
-    variant's row (e.g. the kernels its sites took). One row per size and variant."""
+    variant's row (e.g. the kernels its sites took). With ``profile`` (a folder), after the timing
+    each variant's program runs once more under ``jax.profiler.trace(profile/<size>/<name>)`` and
+    its row gains ``profile``: the trace's path and :func:`jax_blink.tools.trace_copies.summarize`
+    of it. One row per size and variant."""
     import statistics
 
     import jax
@@ -96,7 +102,7 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
                            NamedSharding(mesh, P(mesh.axis_names[0])))
         ref = psum_fn(x)
         scale = float(jnp.max(jnp.abs(ref)))
-        fns, meta = [], []
+        fns, meta, fn_of = [], [], {}
         for name, env, fn in variants():
             seen = observe() if observe else (lambda: {})
             with environment(env):
@@ -106,6 +112,7 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
             rel = float(jnp.max(jnp.abs(got - ref))) / scale
             del got
             fns.append(fn)
+            fn_of[name] = fn
             meta.append((name, env, seen(), rel))
         t0 = time.time()
         timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
@@ -118,6 +125,8 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
                          "psum_time_us": t_psum * 1e6, "speedup": t_psum / t, "busbw": bus / t,
                          "psum_busbw": bus / t_psum, "spread": spread(times), "psum_spread": spread(timed[0]),
                          "rel_diff": rel, "runs": len(times)})
+            if profile:
+                rows[-1]["profile"] = _profiled(fn_of[name], x, os.path.join(profile, size_label(nbytes).replace(" ", ""), name))
             said = "".join(f", {key} {value}" for key, value in extra.items())
             print(f"{size_label(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, "
                   f"{t_psum / t:.3f}x, {bus / t:.1f} GB/s busbw (psum {bus / t_psum:.1f}){said}, "
@@ -125,3 +134,22 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
         print(f"# {size_label(nbytes)}: {len(timed[0])} rounds in {time.time() - t0:.0f} s", flush=True)
         del x, ref
     return rows
+
+
+def _profiled(fn, x, folder: str) -> dict:
+    """One run of ``fn(x)`` under ``jax.profiler.trace(folder)``: the trace's path and how its peer
+    copies ran (printed too); ``{"trace": None}`` where the profiler wrote no trace."""
+    from pathlib import Path
+
+    import jax
+    from jax_blink.tools import trace_copies, trace_overlap
+
+    with jax.profiler.trace(folder):
+        fn(x).block_until_ready()
+    traces = sorted(Path(folder).rglob("*.trace.json.gz"))
+    if not traces:
+        print(f"# profile: no trace file under {folder}", flush=True)
+        return {"trace": None}
+    summary = trace_copies.summarize(trace_overlap.load(traces[-1]))
+    print(f"# profile {folder} ({traces[-1].name}):\n" + trace_copies.describe(summary), flush=True)
+    return {"trace": str(traces[-1]), **summary}

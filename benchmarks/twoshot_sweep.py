@@ -60,7 +60,7 @@ def _kernels(module, before: dict) -> dict:
     return {m: c - before.get(m, 0) for m, c in now.items() if c - before.get(m, 0)}
 
 
-def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) -> list[dict]:
+def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int, profile: str | None = None) -> list[dict]:
     import jax
 
     from jax_blink.lowering import backends
@@ -83,7 +83,7 @@ def run(sizes: list[int], configs: list[tuple[str, dict]], k: int, runs: int) ->
         before = _kernels(module, {})
         return lambda: {"kernels": ", ".join(f"{m} {c}" for m, c in sorted(_kernels(module, before).items()))}
 
-    return against_psum(mesh, sizes, k, runs, variants, observe=observe)
+    return against_psum(mesh, sizes, k, runs, variants, observe=observe, profile=profile)
 
 
 def main(argv=None) -> int:

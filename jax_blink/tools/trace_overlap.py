@@ -43,7 +43,8 @@ def load(path) -> dict:
     return trace
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -53,7 +54,8 @@ def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return [(a, b) for a, b in merged]
 
 
-def _length(intervals) -> float:
+def length(intervals) -> float:
+    """The summed length of ``(start, end)`` intervals (disjoint ones: their union's length)."""
     return sum(b - a for a, b in intervals)
 
 
@@ -102,10 +104,10 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
     for pid, d in sorted(per.items(), key=lambda kv: str(kv[0])):
         if not d["ours"]:
             continue
-        o, c = _union(d["ours"]), _union(d["compute"])
-        ours_us, beside = _length(o), _intersection(o, c)
+        o, c = union(d["ours"]), union(d["compute"])
+        ours_us, beside = length(o), _intersection(o, c)
         out["devices"][names.get(pid, str(pid))] = {
-            "ours_us": ours_us, "compute_us": _length(c), "beside_us": beside,
+            "ours_us": ours_us, "compute_us": length(c), "beside_us": beside,
             "overlap": beside / ours_us if ours_us else None, "our_kernels": len(d["ours"])}
         total_ours += ours_us
         total_beside += beside

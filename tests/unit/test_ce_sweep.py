@@ -76,3 +76,29 @@ def test_the_shared_loop_times_and_checks_variants_on_cpu_devices():
     assert rows[0]["rel_diff"] < 1e-5 and rows[0]["time_us"] > 0 and rows[0]["psum_time_us"] > 0
     assert rows[0]["env"] == {"JAX_BLINK_CE_GATHER": "push"} and rows[0]["kernels"] == "cpu" and setups == [None]
     assert "JAX_BLINK_CE_GATHER" not in os.environ
+
+
+def test_the_shared_loop_traces_each_variant_with_profile(tmp_path):
+    """--profile: after the timing, one traced run per size and variant, its trace's path and the
+    peer copies' summary in the row (no GPU here: the summary says that no copy ran)."""
+    import jax
+    from jax_blink.tools import trace_copies
+    from jax_blink.tools.timing import COLLECTIVES, chained
+
+    import sweep_cli
+
+    devices = jax.devices()
+    if devices[0].platform != "cpu" or len(devices) < 2:
+        pytest.skip("needs 2+ CPU host devices")
+    mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+    coll = COLLECTIVES["allreduce"]
+
+    def variants():
+        return [("ours", {}, chained(coll.chain(coll.ours), mesh, "x", 2, dispatch="blink"))]
+
+    rows = sweep_cli.against_psum(mesh, [4096], 2, 1, variants, profile=str(tmp_path))
+    prof = rows[0]["profile"]
+    if prof["trace"] is None:
+        pytest.skip("this jax's profiler wrote no .trace.json.gz")
+    assert str(tmp_path / "4KiB" / "ours") in prof["trace"] and prof["devices"] == {}
+    assert "no peer copy" in trace_copies.describe(prof)

@@ -27,8 +27,10 @@ import statistics
 import sys
 import time
 
-#: The SM probe's kernel: 512 threads, 4 vectors of 16 bytes in flight per thread, as the
-#: executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range).
+#: The SM probe's kernels: 512 threads, 4 vectors of 16 bytes in flight per thread, as the
+#: executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range). Two of them, not one with a
+#: flag: the push reads its own buffer with plain loads, the pull its peers' with ld.global.cg, as
+#: the executor does, and the rows measured on 4 x H200 came from these two.
 SM_KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(512) pull_peers(uint4* const* dsts, const uint4* const* srcs, int k,
                                                            long long nvec, int spread) {

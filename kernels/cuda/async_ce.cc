@@ -16,7 +16,8 @@
 //      push: copy this rank's pieces of the peer's chunk into the peer's scratch (its slot for this
 //        rank), then meet (phase 3, "its terms sent": every rank's events of this call are
 //        recorded). Copy engines that write across NVLink keep their rate with 3 peers at once,
-//        ones that read do not (benchmarks/link_probe.py, 4 x H200: 373 against 196 GB/s per GPU);
+//        ones that read do not (benchmarks/link_probe.py, 4 x H200: 373 against 196 GB/s per GPU),
+//        yet the all-reduce pushed is still slower than psum there (NOTES, change 21);
 //   3. on the side stream, per piece: wait for every peer's copy of it, reduce it in rank order
 //      into out (this rank's term from x), record `reduced[q]`;
 //   4. the all-gather, per peer on its copy stream, one of two ways (JAX_BLINK_CE_GATHER):
@@ -105,8 +106,8 @@ std::string GatherPushes(bool* push);
 std::string ScatterPushes(bool* push);
 
 // The group of call site `comm_id`, made (with its settings from the environment) at its first call.
-// A group enters the map only once its settings are read: a value not understood leaves no entry
-// (an empty one made ResetCopyEngines dereference a null group, 4 x H200, session 7).
+// A group enters the map only once its settings are read: a value not understood leaves no entry,
+// so every entry that ResetCopyEngines walks holds a group.
 std::string GroupOf(int64_t comm_id, int n, Group** out) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_groups.find(comm_id);
@@ -388,7 +389,6 @@ std::string ResetCopyEngines() {
   cudaGetDevice(&saved);
   std::string err;
   for (auto& [comm_id, g] : g_groups) {
-    if (!g) continue;
     std::lock_guard<std::mutex> group_lock(g->mu);
     for (Slot& s : g->slots) {
       if (s.ready == nullptr) continue;

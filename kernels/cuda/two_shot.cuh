@@ -20,6 +20,8 @@
 //   C  waits for (B, q) from every peer (each has read what this rank wrote into its region r),
 //      then copies out[chunk r, q] into every peer's out[region r, q], release-flags (C, q).
 //   Exit: waits for (C, q) from every peer (their final pieces landed in this rank's `out`).
+// With JAX_BLINK_TWOSHOT_PUSH=spread, A alternates between the peers every 32 KiB per block instead
+// of sending each peer its whole piece in turn (measured no different: NOTES, change 20).
 // Blocks run their pieces software-pipelined (A of piece i, B of i - 1, C of i - 2), so that
 // NVLink stays busy while other pieces reduce. With JAX_BLINK_TWOSHOT_REDUCERS = R > 0 the last R
 // blocks run every piece's B (in increasing order) and the others A and C; a C then also waits

@@ -22,7 +22,8 @@
 # knobs and psum taking turns in one process); cesweep runs benchmarks/ce_sweep.py (the copy
 # engines' all-reduce against the executor and psum, 1 min on 4 x H200; CESWEEP_ARGS adds arguments,
 # e.g. "--sizes 64M,1G --profile $OUT/cesweep-profile": a trace per variant and how its copies ran); linkprobe runs
-# benchmarks/link_probe.py (peer copies and a kernel's peer stores alone, 1 to n - 1 peers at once; needs CuPy, no build).
+# benchmarks/link_probe.py (peer copies, a kernel's peer stores and loads, bulk copies, alone, 1 to n - 1
+# peers at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_ASYNC_BLOCKS="8 12"

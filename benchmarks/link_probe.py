@@ -1,6 +1,6 @@
 """How fast each GPU moves bytes to and from its peers when several peers are served at once (GPUs, CuPy).
 
-    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm] [--out FILE.md]
+    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm,tma] [--out FILE.md]
 
 The ceiling that an all-reduce on these links is held against, measured without reductions, flags
 or XLA: every GPU at the same time moves ``--bytes`` to (push) or from (pull) each of k peers, for
@@ -15,6 +15,11 @@ k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order
   or half of them; ``serial`` serves each peer the whole buffer in turn, ``spread`` alternates
   between the peers every 32 KiB per block (JAX_BLINK_TWOSHOT_PUSH). A run's time is the longest of
   the GPUs' kernels, timed by CUDA events around each.
+- ``tma``, Hopper's bulk copies (``cp.async.bulk``, one thread per block): tiles of 8 KiB loaded
+  into shared memory (4 stages) and written from there into the peers (push), on every SM;
+  ``serial`` as above, ``spread`` writes each tile to every peer. Timed like ``sm``. Whether bulk
+  writes carry more across NVLink than 16-byte stores (which top out at 322-338 GB/s per GPU on
+  4 x H200) is what it asks.
 
 Each pattern runs ``--runs`` times after a warm-up. The table gives per pattern the median time and
 the MEASURED bytes per second that each GPU sent (push) or received (pull): k x bytes / time.
@@ -62,6 +67,68 @@ extern "C" __global__ void __launch_bounds__(512) push_peers(const uint4* src, u
 #pragma unroll
         for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) dsts[d][base + r * 512] = raw[r];
       }
+}
+"""
+
+
+#: The bulk-copy probe's kernel (sm_90): thread 0 of each block loads tiles with
+#: cp.async.bulk into shared memory (completion on an mbarrier) and writes each from there into a
+#: peer (or every peer) with cp.async.bulk; a stage is reloaded once its writes have read it.
+TMA_KERNEL = r"""
+#define TILE 8192
+#define STAGES 4
+extern "C" __global__ void __launch_bounds__(32) tma_push(const char* src, char* const* dsts, int k,
+                                                        long long nbytes, int spread) {
+  __shared__ alignas(128) char buf[STAGES][TILE];
+  __shared__ alignas(8) unsigned long long bar[STAGES];
+  if (threadIdx.x != 0) return;
+  const long long tiles_all = (nbytes + TILE - 1) / TILE;
+  const long long per = (tiles_all + gridDim.x - 1) / gridDim.x, t0 = per * blockIdx.x;
+  const long long t1 = t0 + per < tiles_all ? t0 + per : tiles_all;
+  if (t0 >= t1) return;
+  for (int s = 0; s < STAGES; ++s) {
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(&bar[s]));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  // Work items: (pass, tile); serial: pass d sends every tile to peer d; spread: one pass, each
+  // tile to every peer.
+  const int passes = spread ? 1 : k;
+  const long long n = (t1 - t0) * passes;
+  auto size_of = [&](long long t) { long long r = nbytes - t * TILE; return static_cast<unsigned>(r < TILE ? r : TILE); };
+  auto tile_of = [&](long long w) { return t0 + w % (t1 - t0); };
+  auto load = [&](long long w) {
+    const int s = static_cast<int>(w % STAGES);
+    const long long t = tile_of(w);
+    unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar[s]));
+    unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(buf[s]));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(size_of(t)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(d), "l"(src + t * TILE), "r"(size_of(t)), "r"(b) : "memory");
+  };
+  for (long long w = 0; w < n && w < STAGES; ++w) load(w);
+  for (long long w = 0; w < n; ++w) {
+    const int s = static_cast<int>(w % STAGES);
+    const unsigned parity = static_cast<unsigned>((w / STAGES) & 1);
+    unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar[s]));
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(b), "r"(parity) : "memory");
+    const long long t = tile_of(w);
+    unsigned from = static_cast<unsigned>(__cvta_generic_to_shared(buf[s]));
+    const int first = spread ? 0 : static_cast<int>(w / (t1 - t0)), last = spread ? k : first + 1;
+    for (int d = first; d < last; ++d)
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(dsts[d] + t * TILE), "r"(from), "r"(size_of(t)) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (w + STAGES < n) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // stage s read by its stores
+      load(w + STAGES);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 """
 
@@ -148,6 +215,27 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                                cp.array([slot(g, (g + i) % n).data.ptr for i in range(1, n)], dtype=cp.uint64),
                                cp.array([bufs[(g + i) % n][0].data.ptr for i in range(1, n)], dtype=cp.uint64)))
 
+    tma = []
+    if "tma" in engines:
+        for g in range(n):
+            with cp.cuda.Device(g):
+                tma.append((cp.RawModule(code=TMA_KERNEL, options=("-std=c++17",)).get_function("tma_push"),
+                            cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64)))
+
+    def once_tma(k: int, spread: bool) -> float:
+        events = []
+        for g in range(n):
+            with cp.cuda.Device(g):
+                s = streams[g][0]
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(s)
+                fn, dsts = tma[g]
+                fn((sms,), (32,), (bufs[g][0], dsts, cp.int32(k), cp.int64(nbytes), cp.int32(spread)), stream=s)
+                e1.record(s)
+                events.append((e0, e1))
+        sync_all()
+        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in events) / 1e3
+
     def once_sm(direction: str, k: int, grid: int, spread: bool) -> float:
         events = []
         for g in range(n):
@@ -190,6 +278,12 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                         how = f"{'spread' if spread else 'serial'}, {grid} blocks"
                         rows.append(_row("sm", direction, k, how,
                                          [once_sm(direction, k, grid, spread) for _ in range(runs)], nbytes))
+    if "tma" in engines:
+        for k in range(1, n):
+            for spread in ((False, True) if k > 1 else (False,)):
+                once_tma(k, spread)  # warm-up
+                how = f"{'spread' if spread else 'serial'}, {sms} blocks, tiles of 8 KiB"
+                rows.append(_row("tma", "push", k, how, [once_tma(k, spread) for _ in range(runs)], nbytes))
     # The bytes must have landed: every slot written holds its sender's value.
     for g in range(n):
         with cp.cuda.Device(g):
@@ -206,14 +300,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bytes", default=256 << 20, type=cli.byte_count, help="bytes per peer (default 256M)")
     ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=10, help="timed runs per pattern")
-    ap.add_argument("--engines", default="ce,sm", help="ce (copy engines), sm (a kernel's stores), or both: ce,sm")
+    ap.add_argument("--engines", default="ce,sm,tma",
+                    help="comma-separated: ce (copy engines), sm (a kernel's loads and stores), tma (bulk copies)")
     ap.add_argument("--out", help="write the table to this Markdown file")
     args = ap.parse_args(argv)
     if args.bytes < 4096 or args.bytes % 16:
         ap.error(f"--bytes: got {args.bytes}; takes at least 4K, a multiple of 16")
     engines = [e.strip().lower() for e in args.engines.split(",") if e.strip()]
-    if not engines or set(engines) - {"ce", "sm"}:
-        ap.error(f"--engines: got {args.engines!r}; takes ce, sm or ce,sm")
+    if not engines or set(engines) - {"ce", "sm", "tma"}:
+        ap.error(f"--engines: got {args.engines!r}; takes ce, sm and tma, comma-separated")
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -23,8 +23,8 @@ k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order
 
 Each pattern runs ``--runs`` times after a warm-up. Each engine starts from zeroed destinations and
 ends with every byte of every destination checked against its sender's value. The table gives per
-pattern the median time and
-the MEASURED bytes per second that each GPU sent (push) or received (pull): k x bytes / time.
+pattern the median time and the MEASURED bytes per second that each GPU sent (push) or received
+(pull): k x bytes / time.
 """
 from __future__ import annotations
 

@@ -54,6 +54,11 @@ def main(argv, *, description: str, script: str, run, table, default_configs, de
         configs = [parse_config(c) for c in (args.config or default_configs)]
     except ValueError as e:
         ap.error(str(e))
+    if args.profile:  # before minutes of timing, not after them
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--profile {args.profile!r}: cannot make that folder ({e.strerror})")
     rows = run(args.sizes, configs, args.chain, args.runs, profile=args.profile)
     import jax
 

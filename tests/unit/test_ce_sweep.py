@@ -102,3 +102,11 @@ def test_the_shared_loop_traces_each_variant_with_profile(tmp_path):
         pytest.skip("this jax's profiler wrote no .trace.json.gz")
     assert str(tmp_path / "4KiB" / "ours") in prof["trace"] and prof["devices"] == {}
     assert "no peer copy" in trace_copies.describe(prof)
+
+
+def test_a_profile_folder_that_cannot_be_made_is_refused_first(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "ce_sweep.py"), "--profile", str(blocker / "traces")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--profile" in r.stderr and "cannot make" in r.stderr and "Traceback" not in r.stderr

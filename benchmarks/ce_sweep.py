@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sweep_cli import against_psum, main as sweep_main, parse_config, size_label  # noqa: E402,F401  (parse_config: for callers and tests)
+from sweep_cli import against_psum, main as sweep_main, size_label  # noqa: E402  (benchmarks/ on the path first)
 
 DEFAULT_CONFIGS = (
     "ce-4M:JAX_BLINK_ASYNC_ENGINE=ce,JAX_BLINK_CE_PIECE_BYTES=4M",

@@ -107,7 +107,7 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
                            NamedSharding(mesh, P(mesh.axis_names[0])))
         ref = psum_fn(x)
         scale = float(jnp.max(jnp.abs(ref)))
-        fns, meta, fn_of = [], [], {}
+        fns, meta = [], []
         for name, env, fn in variants():
             seen = observe() if observe else (lambda: {})
             with environment(env):
@@ -117,21 +117,20 @@ def against_psum(mesh, sizes: list[int], k: int, runs: int, variants, *, name_ke
             rel = float(jnp.max(jnp.abs(got - ref))) / scale
             del got
             fns.append(fn)
-            fn_of[name] = fn
             meta.append((name, env, seen(), rel))
         t0 = time.time()
         timed = interleaved_times([psum_fn] + fns, x, runs, 0.5)
         jax_blink.check()
         t_psum = statistics.median(timed[0]) / k
         bus = nbytes * 2 * (n - 1) / n / 1e9
-        for (name, env, extra, rel), times in zip(meta, timed[1:]):
+        for (name, env, extra, rel), fn, times in zip(meta, fns, timed[1:]):
             t = statistics.median(times) / k
             rows.append({"bytes_per_rank": nbytes, "n": n, name_key: name, "env": env, **extra, "time_us": t * 1e6,
                          "psum_time_us": t_psum * 1e6, "speedup": t_psum / t, "busbw": bus / t,
                          "psum_busbw": bus / t_psum, "spread": spread(times), "psum_spread": spread(timed[0]),
                          "rel_diff": rel, "runs": len(times)})
             if profile:
-                rows[-1]["profile"] = _profiled(fn_of[name], x, os.path.join(profile, size_label(nbytes).replace(" ", ""), name))
+                rows[-1]["profile"] = _profiled(fn, x, os.path.join(profile, size_label(nbytes).replace(" ", ""), name))
             said = "".join(f", {key} {value}" for key, value in extra.items())
             print(f"{size_label(nbytes)} x {n} {name}: {t * 1e6:.1f} us, psum {t_psum * 1e6:.1f} us, "
                   f"{t_psum / t:.3f}x, {bus / t:.1f} GB/s busbw (psum {bus / t_psum:.1f}){said}, "

@@ -24,8 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from collective_checks import environment  # noqa: E402,F401  (benchmarks/ on the path first; for the tests)
-from sweep_cli import against_psum, main as sweep_main, parse_config, size_label  # noqa: E402,F401  (parse_config: for callers and tests)
+from sweep_cli import against_psum, main as sweep_main, size_label  # noqa: E402  (benchmarks/ on the path first)
 
 DEFAULT_CONFIGS = (
     "default:",

@@ -14,10 +14,11 @@ BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import ce_sweep as sweep  # noqa: E402
+from sweep_cli import parse_config  # noqa: E402
 
 
 def test_shipped_variants_parse():
-    parsed = [sweep.parse_config(t) for t in sweep.DEFAULT_CONFIGS]
+    parsed = [parse_config(t) for t in sweep.DEFAULT_CONFIGS]
     assert len({name for name, _ in parsed}) == len(parsed)
     assert all(env.get("JAX_BLINK_ASYNC_ENGINE") in ("ce", "sm") for _, env in parsed)
 

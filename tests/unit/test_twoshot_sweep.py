@@ -14,24 +14,26 @@ BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import twoshot_sweep as sweep  # noqa: E402
+from collective_checks import environment  # noqa: E402
+from sweep_cli import parse_config  # noqa: E402
 
 
 def test_settings_parse():
-    assert sweep.parse_config("default:") == ("default", {})
-    assert sweep.parse_config("p:JAX_BLINK_TWOSHOT_MODE=pull,JAX_BLINK_TWOSHOT_PIECE_BYTES=64K") == (
+    assert parse_config("default:") == ("default", {})
+    assert parse_config("p:JAX_BLINK_TWOSHOT_MODE=pull,JAX_BLINK_TWOSHOT_PIECE_BYTES=64K") == (
         "p", {"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "64K"})
     for bad in ("nocolon", ":JAX_BLINK_X=1", "n:NOT_OURS=1", "n:JAX_BLINK_X"):
         with pytest.raises(ValueError, match="JAX_BLINK|NAME:VAR=VALUE"):
-            sweep.parse_config(bad)
+            parse_config(bad)
     for text in sweep.DEFAULT_CONFIGS:  # the shipped settings parse, under distinct names
-        sweep.parse_config(text)
-    assert len({sweep.parse_config(t)[0] for t in sweep.DEFAULT_CONFIGS}) == len(sweep.DEFAULT_CONFIGS)
+        parse_config(text)
+    assert len({parse_config(t)[0] for t in sweep.DEFAULT_CONFIGS}) == len(sweep.DEFAULT_CONFIGS)
 
 
 def test_variables_hold_only_inside_the_block(monkeypatch):
     monkeypatch.setenv("JAX_BLINK_TWOSHOT_MODE", "auto")
     monkeypatch.delenv("JAX_BLINK_TWOSHOT_PIECE_BYTES", raising=False)
-    with sweep.environment({"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "1M"}):
+    with environment({"JAX_BLINK_TWOSHOT_MODE": "pull", "JAX_BLINK_TWOSHOT_PIECE_BYTES": "1M"}):
         assert os.environ["JAX_BLINK_TWOSHOT_MODE"] == "pull"
         assert os.environ["JAX_BLINK_TWOSHOT_PIECE_BYTES"] == "1M"
     assert os.environ["JAX_BLINK_TWOSHOT_MODE"] == "auto"

@@ -21,8 +21,8 @@ k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order
   writes carry more across NVLink than 16-byte stores (which top out at 322-338 GB/s per GPU on
   4 x H200) is what it asks.
 
-Each pattern runs ``--runs`` times after a warm-up. Each engine starts from zeroed destinations and
-ends with every byte of every destination checked against its sender's value. The table gives per
+Each pattern runs ``--runs`` times after a warm-up, from zeroed destinations, and then every byte
+is checked: the destinations it fills hold their sender's value, the others still 0. The table gives per
 pattern the median time and the MEASURED bytes per second that each GPU sent (push) or received
 (pull): k x bytes / time.
 """
@@ -34,13 +34,13 @@ import statistics
 import sys
 import time
 
-#: The SM probe's kernels: 512 threads, 4 vectors of 16 bytes in flight per thread, as the
-#: executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range). Two of them, not one with a
-#: flag: the push reads its own buffer with plain loads, the pull its peers' with ld.global.cg, as
-#: the executor does, and the rows measured on 4 x H200 came from these two.
+#: The SM probe's kernels: dsts[d][i] = srcs[d][i], 512 threads, 4 vectors of 16 bytes in flight
+#: per thread, as the executor's copy loops (kernels/cuda/device_kernels.cuh, copy_range). Push:
+#: this GPU's buffer into the peers, plain loads; pull: the peers' buffers into this GPU, loads with
+#: ld.global.cg, as the executor reads peers.
 SM_KERNEL = r"""
-extern "C" __global__ void __launch_bounds__(512) pull_peers(uint4* const* dsts, const uint4* const* srcs, int k,
-                                                           long long nvec, int spread) {
+template <bool kFromPeers>
+__device__ void move(uint4* const* dsts, const uint4* const* srcs, int k, long long nvec, int spread) {
   const long long per = (nvec + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x;
   const long long hi = lo + per < nvec ? lo + per : nvec;
   const int rounds = spread ? 1 : k;
@@ -49,26 +49,21 @@ extern "C" __global__ void __launch_bounds__(512) pull_peers(uint4* const* dsts,
       for (int d = spread ? 0 : pass; d < (spread ? k : pass + 1); ++d) {
         uint4 raw[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) raw[r] = __ldcg(srcs[d] + base + r * 512);
+        for (int r = 0; r < 4; ++r)
+          if (base + r * 512 < hi) raw[r] = kFromPeers ? __ldcg(srcs[d] + base + r * 512) : srcs[d][base + r * 512];
 #pragma unroll
         for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) dsts[d][base + r * 512] = raw[r];
       }
 }
 
-extern "C" __global__ void __launch_bounds__(512) push_peers(const uint4* src, uint4* const* dsts, int k,
+extern "C" __global__ void __launch_bounds__(512) push_peers(uint4* const* dsts, const uint4* const* srcs, int k,
                                                            long long nvec, int spread) {
-  const long long per = (nvec + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x;
-  const long long hi = lo + per < nvec ? lo + per : nvec;
-  const int rounds = spread ? 1 : k;
-  for (int pass = 0; pass < rounds; ++pass)
-    for (long long base = lo + threadIdx.x; base < hi; base += 512 * 4)
-      for (int d = spread ? 0 : pass; d < (spread ? k : pass + 1); ++d) {
-        uint4 raw[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) raw[r] = src[base + r * 512];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) if (base + r * 512 < hi) dsts[d][base + r * 512] = raw[r];
-      }
+  move<false>(dsts, srcs, k, nvec, spread);
+}
+
+extern "C" __global__ void __launch_bounds__(512) pull_peers(uint4* const* dsts, const uint4* const* srcs, int k,
+                                                           long long nvec, int spread) {
+  move<true>(dsts, srcs, k, nvec, spread);
 }
 """
 
@@ -206,108 +201,93 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
         sync_all()
         return time.perf_counter() - t0
 
-    kernels, tables = [], []
-    if "sm" in engines:
+    def timed(launch) -> float:  # launch(g, stream) on every GPU at once; the longest kernel, by events
+        events = []
         for g in range(n):
             with cp.cuda.Device(g):
-                module = cp.RawModule(code=SM_KERNEL, options=("-std=c++17",))
-                kernels.append((module.get_function("push_peers"), module.get_function("pull_peers")))
-                # push: the peers' slots for g; pull: g's own slots and the peers' sources
-                tables.append((cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64),
-                               cp.array([slot(g, (g + i) % n).data.ptr for i in range(1, n)], dtype=cp.uint64),
-                               cp.array([bufs[(g + i) % n][0].data.ptr for i in range(1, n)], dtype=cp.uint64)))
+                s, e0, e1 = streams[g][0], cp.cuda.Event(), cp.cuda.Event()
+                e0.record(s)
+                launch(g, s)
+                e1.record(s)
+                events.append((e0, e1))
+        sync_all()
+        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in events) / 1e3
 
-    tma = []
-    if "tma" in engines:
-        for g in range(n):
-            with cp.cuda.Device(g):
+    def pointers(arrays):
+        return cp.array([a.data.ptr for a in arrays], dtype=cp.uint64)
+
+    kernels, tables, tma = [], [], []
+    for g in range(n):
+        peers = [(g + i) % n for i in range(1, n)]
+        with cp.cuda.Device(g):
+            if "sm" in engines:
+                module = cp.RawModule(code=SM_KERNEL, options=("-std=c++17",))
+                kernels.append({"push": module.get_function("push_peers"), "pull": module.get_function("pull_peers")})
+                # (destinations, sources) per direction
+                tables.append({"push": (pointers([slot(p, g) for p in peers]), pointers([bufs[g][0]] * (n - 1))),
+                               "pull": (pointers([slot(g, p) for p in peers]), pointers([bufs[p][0] for p in peers]))})
+            if "tma" in engines:
                 tma.append((cp.RawModule(code=TMA_KERNEL, options=("-std=c++17",)).get_function("tma_push"),
-                            cp.array([slot((g + i) % n, g).data.ptr for i in range(1, n)], dtype=cp.uint64)))
+                            pointers([slot(p, g) for p in peers])))
 
     def once_tma(k: int, spread: bool) -> float:
-        events = []
-        for g in range(n):
-            with cp.cuda.Device(g):
-                s = streams[g][0]
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record(s)
-                fn, dsts = tma[g]
-                fn((sms,), (32,), (bufs[g][0], dsts, cp.int32(k), cp.int64(nbytes), cp.int32(spread)), stream=s)
-                e1.record(s)
-                events.append((e0, e1))
-        sync_all()
-        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in events) / 1e3
+        return timed(lambda g, s: tma[g][0]((sms,), (32,), (bufs[g][0], tma[g][1], cp.int32(k), cp.int64(nbytes),
+                                                            cp.int32(spread)), stream=s))
 
     def once_sm(direction: str, k: int, grid: int, spread: bool) -> float:
-        events = []
-        for g in range(n):
-            with cp.cuda.Device(g):
-                s = streams[g][0]
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record(s)
-                push, pull = kernels[g]
-                to_peers, mine, sources = tables[g]
-                rest = (cp.int32(k), cp.int64(nbytes // 16), cp.int32(spread))
-                if direction == "push":
-                    push((grid,), (512,), (bufs[g][0], to_peers, *rest), stream=s)
-                else:
-                    pull((grid,), (512,), (mine, sources, *rest), stream=s)
-                e1.record(s)
-                events.append((e0, e1))
-        sync_all()
-        return max(cp.cuda.get_elapsed_time(e0, e1) for e0, e1 in events) / 1e3
+        return timed(lambda g, s: kernels[g][direction]((grid,), (512,), (*tables[g][direction], cp.int32(k),
+                                                                          cp.int64(nbytes // 16), cp.int32(spread)),
+                                                        stream=s))
 
-    def clear():  # every slot to zero, so that each engine's check sees only its own writes
+    def check(label: str, direction: str, k: int):
+        """After a pattern that started from zeroed slots: the slots it fills hold their sender's
+        value, every other slot still 0. Pull: GPU g read peers g + 1 .. g + k (its slots 0 .. k - 1);
+        push: peers g - 1 .. g - k wrote into GPU g (its slots n - 2 down to n - k - 1)."""
+        for g in range(n):
+            filled = range(k) if direction == "pull" else range(n - k - 1, n - 1)
+            with cp.cuda.Device(g):
+                for i in range(1, n):  # slot i - 1: what GPU g + i sends
+                    sender, want = (g + i) % n, (i - 1 in filled) * ((g + i) % n + 1)
+                    if not bool((bufs[g][1][i - 1] == want).all()):
+                        got = sorted(float(v) for v in cp.unique(bufs[g][1][i - 1]).get())[:4]
+                        raise SystemExit(f"link_probe.py: {label}: GPU {g}'s slot for GPU {sender} holds {got}, "
+                                         f"not only {want}: the bytes did not land where they should")
+
+    rows = []
+
+    def measure(engine: str, direction: str, k: int, how: str, once) -> None:
+        """Zeroed slots, a warm-up, ``runs`` timed runs, then the check of what landed; one row."""
         for g in range(n):
             with cp.cuda.Device(g):
                 bufs[g][1].fill(0)
         sync_all()
+        once()  # warm-up
+        times = [once() for _ in range(runs)]
+        check(f"{engine} {direction} k={k} {how}", direction, k)
+        rows.append(_row(engine, direction, k, how, times, nbytes))
 
-    def check(engine: str):  # every slot holds its sender's value: the engine's bytes all landed
-        for g in range(n):
-            with cp.cuda.Device(g):
-                for i in range(1, n):  # slot i - 1 holds what GPU g + i sent
-                    sender = (g + i) % n
-                    got = {float(v) for v in cp.unique(bufs[g][1][i - 1]).get()}
-                    if got != {float(sender + 1)}:
-                        raise SystemExit(f"link_probe.py: {engine}: GPU {g}'s slot for GPU {sender} holds {sorted(got)[:4]}, "
-                                         f"not {sender + 1}: the bytes did not all land")
-
-    rows = []
     if "ce" in engines:
-        clear()
         for direction in ("pull", "push"):
             for k in range(1, n):
                 for parallel in ((False, True) if k > 1 else (True,)):
-                    once_ce(direction, k, parallel)  # warm-up
-                    how = f"{k if parallel else 1} stream(s)"
-                    rows.append(_row("ce", direction, k, how, [once_ce(direction, k, parallel) for _ in range(runs)], nbytes))
+                    measure("ce", direction, k, f"{k if parallel else 1} stream(s)",
+                            lambda: once_ce(direction, k, parallel))
         piece = 16 << 20
         if nbytes > piece:
             for k in range(1, n):
-                once_ce("push", k, True, piece)
-                rows.append(_row("ce", "push", k, f"{k} stream(s), copies of 16 MiB",
-                                 [once_ce("push", k, True, piece) for _ in range(runs)], nbytes))
-        check("ce")
+                measure("ce", "push", k, f"{k} stream(s), copies of 16 MiB", lambda: once_ce("push", k, True, piece))
     if "sm" in engines:
-        clear()
         for direction in ("push", "pull"):
             for grid in (sms, sms // 2):
                 for k in range(1, n):
                     for spread in ((False, True) if k > 1 else (False,)):
-                        once_sm(direction, k, grid, spread)  # warm-up
-                        how = f"{'spread' if spread else 'serial'}, {grid} blocks"
-                        rows.append(_row("sm", direction, k, how,
-                                         [once_sm(direction, k, grid, spread) for _ in range(runs)], nbytes))
-        check("sm")
+                        measure("sm", direction, k, f"{'spread' if spread else 'serial'}, {grid} blocks",
+                                lambda: once_sm(direction, k, grid, spread))
     if "tma" in engines:
-        clear()
         for k in range(1, n):
             for spread in ((False, True) if k > 1 else (False,)):
-                once_tma(k, spread)  # warm-up
-                how = f"{'spread' if spread else 'serial'}, {sms} blocks, tiles of 8 KiB"
-                rows.append(_row("tma", "push", k, how, [once_tma(k, spread) for _ in range(runs)], nbytes))
-        check("tma")
+                measure("tma", "push", k, f"{'spread' if spread else 'serial'}, {sms} blocks, tiles of 8 KiB",
+                        lambda: once_tma(k, spread))
     return rows, n, kind
 
 

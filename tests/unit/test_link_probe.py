@@ -38,3 +38,95 @@ def test_bad_arguments_are_refused(args, says):
 def test_without_cupy_it_says_what_it_needs():
     r = subprocess.run([sys.executable, str(BENCHMARKS / "link_probe.py")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "needs CuPy" in r.stderr and "Traceback" not in r.stderr
+
+
+class _FakeCupy:
+    """Just enough of CuPy for link_probe.run on the host: arrays are numpy arrays whose
+    ``data.ptr`` is their address, a peer copy or a kernel is a memmove, every event 1 ms apart."""
+
+    def __init__(self, n: int, broken: str = ""):
+        import ctypes
+        import types
+
+        import numpy as np
+
+        class Arr(np.ndarray):
+            @property
+            def data(self):
+                return types.SimpleNamespace(ptr=self.ctypes.data)
+
+            def get(self):
+                return np.asarray(self)
+
+        def wrap(a):
+            return np.asarray(a).view(Arr)
+
+        def move(dst, src, nbytes):
+            ctypes.memmove(int(dst), int(src), int(nbytes))
+
+        def function(name):
+            def launch(grid, block, args, stream=None):
+                if name == broken:
+                    return  # writes nothing: the probe's check must say so
+                if name == "tma_push":
+                    src, dsts, k, nbytes, _ = args
+                    for d in range(int(k)):
+                        move(dsts[d], src.ctypes.data, nbytes)
+                else:
+                    dsts, srcs, k, nvec, _ = args
+                    for d in range(int(k)):
+                        move(dsts[d], srcs[d], int(nvec) * 16)
+            return launch
+
+        class Device:
+            def __init__(self, g):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        class Event:
+            clock = 0.0
+
+            def record(self, stream=None):
+                Event.clock += 1.0
+                self.t = Event.clock
+
+        self.float32, self.uint64 = np.float32, np.uint64
+        self.int32, self.int64 = np.int32, np.int64
+        self.full = lambda shape, value, dtype: wrap(np.full(shape, value, dtype))
+        self.zeros = lambda shape, dtype: wrap(np.zeros(shape, dtype))
+        self.array = lambda values, dtype: wrap(np.array(values, dtype))
+        self.unique = lambda a: wrap(np.unique(a))
+        self.RawModule = lambda code, options=(): types.SimpleNamespace(get_function=function)
+        runtime = types.SimpleNamespace(
+            getDeviceCount=lambda: n, CUDARuntimeError=RuntimeError,
+            getDeviceProperties=lambda g: {"name": b"Fake GPU", "multiProcessorCount": 4},
+            deviceEnablePeerAccess=lambda p: None, deviceSynchronize=lambda: None,
+            memcpyPeerAsync=lambda dst, ddev, src, sdev, nbytes, stream: move(dst, src, nbytes))
+        self.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Event=Event,
+                                          Stream=lambda non_blocking=True: types.SimpleNamespace(ptr=0),
+                                          get_elapsed_time=lambda e0, e1: e1.t - e0.t)
+
+
+def test_run_moves_and_checks_every_pattern_with_a_fake_cupy(monkeypatch):
+    """run() on the host through a stand-in for CuPy: every engine's patterns become rows, and
+    each pattern's bytes are checked (they land here because a copy is a memmove)."""
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3))
+    rows, n, kind = link_probe.run(64 << 10, 2, ["ce", "sm", "tma"])
+    assert n == 3 and kind == "Fake GPU"
+    engines = [r["engine"] for r in rows]
+    # ce: pull and push, k = 1 (one stream) and 2 (one or two streams); sm: push and pull, 2 grids,
+    # k = 1 serial and 2 serial / spread; tma: k = 1, k = 2 serial / spread
+    assert engines.count("ce") == 6 and engines.count("sm") == 12 and engines.count("tma") == 3
+    assert all(r["runs"] == 2 and r["gbps"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("broken,engine", [("tma_push", "tma"), ("pull_peers", "sm"), ("push_peers", "sm")])
+def test_an_engine_whose_bytes_do_not_land_is_named(monkeypatch, broken, engine):
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3, broken=broken))
+    with pytest.raises(SystemExit, match=f"{engine} (push|pull) k=1 .*: GPU 0's slot for GPU [12] holds \\[0.0\\]"):
+        link_probe.run(64 << 10, 1, ["sm", "tma"])

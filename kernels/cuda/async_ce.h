@@ -18,14 +18,16 @@ std::string AsyncEngineIsCopyEngines(bool* ce);
 // The pieces each chunk is cut into, so that reductions and copies overlap
 // (JAX_BLINK_CE_PIECE_BYTES overrides).
 constexpr int64_t kDefaultPieceBytes = int64_t{16} << 20;
-// The first of JAX_BLINK_ASYNC_ENGINE, JAX_BLINK_CE_PIECE_BYTES, JAX_BLINK_CE_GATHER whose value is
-// not understood, as an error message; "" when all are fine. No GPU needed.
+// The first of JAX_BLINK_ASYNC_ENGINE, JAX_BLINK_CE_PIECE_BYTES, JAX_BLINK_CE_SCATTER and
+// JAX_BLINK_CE_GATHER whose value is not understood, as an error message; "" when all are fine.
+// No GPU needed.
 std::string CheckCopyEngineEnvironment();
 
 // One call of rank `rank` of `nranks` (one process, one GPU each) of call site `comm_id`: a
 // reduce-scatter and an all-gather whose transfers are copy-engine copies (cudaMemcpyPeerAsync, one
-// stream per peer, in pieces of JAX_BLINK_CE_PIECE_BYTES; the all-gather pulls, or pushes with
-// JAX_BLINK_CE_GATHER=push: both read when the site's first call makes its group) and whose
+// stream per peer, in pieces of JAX_BLINK_CE_PIECE_BYTES; each phase pulls, or pushes with
+// JAX_BLINK_CE_SCATTER=push / JAX_BLINK_CE_GATHER=push: read when the site's first call makes its
+// group) and whose
 // reduction is a kernel of `blocks` blocks (0: every SM), all ordered by `side`, which must already
 // follow XLA's stream. The ranks meet on the host at every call (every wait within `timeout_ms`),
 // so that each waits on its peers' events of the same call. `in` and `out` must stay untouched

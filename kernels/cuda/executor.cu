@@ -355,6 +355,11 @@ const char* EnvValue(const char* name) {  // nullptr when unset or empty
   const char* e = std::getenv(name);
   return (e != nullptr && *e != 0) ? e : nullptr;
 }
+// True when variable `name` is `value` (any case): a two-choice variable's non-default choice.
+bool EnvIs(const char* name, const char* value) {
+  const char* e = EnvValue(name);
+  return e != nullptr && strcasecmp(e, value) == 0;
+}
 // The readers below keep their defaults for values CheckEnvironment() refuses: set-up returns its
 // message before any of them is used.
 int64_t EnvBytes(const char* name, int64_t fallback) {
@@ -440,18 +445,12 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // The one-shot kernels' limits and chunking (README "Options"), read at each site's set-up.
 int64_t DefaultTwoShotMin() { return EnvBytes("JAX_BLINK_TWOSHOT_MIN_BYTES", kDefaultTwoShotMinBytes); }
 int64_t TwoShotPieceBytes() { return std::max<int64_t>(16, EnvBytes("JAX_BLINK_TWOSHOT_PIECE_BYTES", kTwoShotPieceBytes)); }
-bool TwoShotOnCopyEngines() {  // JAX_BLINK_TWOSHOT_ENGINE: sm (the kernel, default) or ce (copy engines)
-  const char* e = EnvValue("JAX_BLINK_TWOSHOT_ENGINE");
-  return e != nullptr && strcasecmp(e, "ce") == 0;
-}
-bool TwoShotPushSpread() {  // JAX_BLINK_TWOSHOT_PUSH: serial (each peer's whole piece in turn, default) or spread
-  const char* e = EnvValue("JAX_BLINK_TWOSHOT_PUSH");
-  return e != nullptr && strcasecmp(e, "spread") == 0;
-}
-bool TwoShotPullAlways() {  // JAX_BLINK_TWOSHOT_MODE: auto (push unless an operand aliases its result) or pull
-  const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE");
-  return e != nullptr && strcasecmp(e, "pull") == 0;
-}
+// JAX_BLINK_TWOSHOT_ENGINE: sm (the kernel, default) or ce (copy engines).
+bool TwoShotOnCopyEngines() { return EnvIs("JAX_BLINK_TWOSHOT_ENGINE", "ce"); }
+// JAX_BLINK_TWOSHOT_PUSH: serial (each peer's whole piece in turn, default) or spread.
+bool TwoShotPushSpread() { return EnvIs("JAX_BLINK_TWOSHOT_PUSH", "spread"); }
+// JAX_BLINK_TWOSHOT_MODE: auto (push unless an operand aliases its result, default) or pull.
+bool TwoShotPullAlways() { return EnvIs("JAX_BLINK_TWOSHOT_MODE", "pull"); }
 // JAX_BLINK_TWOSHOT_REDUCERS (checked by CheckEnvironment), at most a quarter of the grid `G`.
 int TwoShotReducers(int G) {
   int64_t v = kTwoShotReducers;
@@ -491,8 +490,7 @@ HostSlice PlanHostSlice(const Options& opt, int n, bool allreduce, int64_t total
   int blocks = opt.host_blocks >= 0 ? opt.host_blocks : static_cast<int>(env_blocks);
   int engine = opt.host_engine;
   if (engine < 0) {
-    const char* e = EnvValue("JAX_BLINK_HOST_ENGINE");
-    engine = e != nullptr ? (strcasecmp(e, "ce") == 0 ? 1 : 0) : kDefaultHostEngine;
+    engine = EnvValue("JAX_BLINK_HOST_ENGINE") == nullptr ? kDefaultHostEngine : EnvIs("JAX_BLINK_HOST_ENGINE", "ce");
   }
   h.ce = engine == 1;
   const int64_t chunk_bytes = opt.host_chunk_bytes > 0
@@ -1609,14 +1607,16 @@ std::string CheckEnvironment() {
   double share = 0;
   if (EnvValue("JAX_BLINK_HOST_SHARE") != nullptr && !EnvShare(&share))
     bad("JAX_BLINK_HOST_SHARE", "a fraction from 0 to 1 (0: no host channel)");
-  if (const char* e = EnvValue("JAX_BLINK_HOST_ENGINE"); e != nullptr && strcasecmp(e, "ce") != 0 && strcasecmp(e, "sm") != 0)
-    bad("JAX_BLINK_HOST_ENGINE", "sm (the kernel's SMs) or ce (copy engines)");
-  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_ENGINE"); e != nullptr && strcasecmp(e, "sm") != 0 && strcasecmp(e, "ce") != 0)
-    bad("JAX_BLINK_TWOSHOT_ENGINE", "sm (the two-shot kernel) or ce (copy engines move the bytes, a kernel adds them up)");
-  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_MODE"); e != nullptr && strcasecmp(e, "auto") != 0 && strcasecmp(e, "pull") != 0)
-    bad("JAX_BLINK_TWOSHOT_MODE", "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
-  if (const char* e = EnvValue("JAX_BLINK_TWOSHOT_PUSH"); e != nullptr && strcasecmp(e, "serial") != 0 && strcasecmp(e, "spread") != 0)
-    bad("JAX_BLINK_TWOSHOT_PUSH", "serial (each peer's whole piece in turn) or spread (the peers in turn every 32 KiB per block)");
+  auto one_of = [&](const char* name, const char* a, const char* b, const char* takes) {
+    if (EnvValue(name) != nullptr && !EnvIs(name, a) && !EnvIs(name, b)) bad(name, takes);
+  };
+  one_of("JAX_BLINK_HOST_ENGINE", "sm", "ce", "sm (the kernel's SMs) or ce (copy engines)");
+  one_of("JAX_BLINK_TWOSHOT_ENGINE", "sm", "ce",
+         "sm (the two-shot kernel) or ce (copy engines move the bytes, a kernel adds them up)");
+  one_of("JAX_BLINK_TWOSHOT_MODE", "auto", "pull",
+         "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
+  one_of("JAX_BLINK_TWOSHOT_PUSH", "serial", "spread",
+         "serial (each peer's whole piece in turn) or spread (the peers in turn every 32 KiB per block)");
   return err;
 }
 

@@ -263,6 +263,7 @@ _ENV_ELSEWHERE = (
     "JAX_BLINK_TWOSHOT_MIN_BYTES",  # kernels/cuda/executor.cu: the two-shot all-reduce on 3+ GPUs
     "JAX_BLINK_TWOSHOT_PIECE_BYTES", "JAX_BLINK_TWOSHOT_MODE",  # its pieces, and remote reads or writes
     "JAX_BLINK_TWOSHOT_REDUCERS",  # its blocks that only reduce
+    "JAX_BLINK_LOG_BUFFERS",  # kernels/cuda/executor.cu: debugging, a stderr line per launch naming its buffers
     "JAX_BLINK_TWOSHOT_PUSH",  # its pushes: each peer in turn (serial) or alternating (spread)
     "JAX_BLINK_TWOSHOT_ENGINE",  # its bytes on SMs (sm) or copy engines (ce, kernels/cuda/async_ce.cc)
     "JAX_BLINK_ASYNC_BLOCKS",  # kernels/cuda/async_ffi.cc: the grid of the overlapped (start/done) all-reduce

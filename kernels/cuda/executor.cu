@@ -281,6 +281,7 @@ struct Site {
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
+  uint64_t launches = 0;  // this rank's Launch calls (JAX_BLINK_LOG_BUFFERS numbers them)
 };
 
 namespace {
@@ -1421,12 +1422,40 @@ std::string LaunchReduceTerms(DType dtype, int32_t op, void* out, const void* co
   return e == cudaSuccess ? std::string() : std::string("launching the reduction: ") + cudaGetErrorString(e);
 }
 
+// JAX_BLINK_LOG_BUFFERS=1 (debugging): one stderr line per launch with this rank's operand and
+// result and the CUDA allocation each lies in, so that a sanitizer's faulting address can be
+// placed against every rank's buffers of every call (issue 31's 3-GPU memcheck finding).
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+void LogBuffers(Site* s, const void* in, const void* out) {
+  static MemGetAddressRangeFn range = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q);
+    return q == cudaDriverEntryPointSuccess ? reinterpret_cast<MemGetAddressRangeFn>(f) : nullptr;
+  }();
+  auto where = [&](const void* ptr) {
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (range == nullptr || range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS)
+      return std::string("(allocation unknown)");
+    char b[96];
+    std::snprintf(b, sizeof b, "(in [0x%llx, +%zu))", static_cast<unsigned long long>(base), size);
+    return std::string(b);
+  };
+  std::fprintf(stderr, "jax_blink buffers: device %d rank %d/%d mode %s call %llu: in %p %s out %p %s, %lld bytes\n",
+               s->device, s->rank, s->nranks, ModeName(s->mode), static_cast<unsigned long long>(s->launches), in,
+               where(in).c_str(), out, where(out).c_str(), static_cast<long long>(s->total * s->esize));
+}
+
 std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, cudaStream_t stream,
                    int64_t timeout_ms) {
   if (op < 0 || op >= kNumOps) return "jax_blink CUDA executor: op " + std::to_string(op) + " is not supported";
   const int dt = static_cast<int>(dtype);
   if (dt < 0 || dt >= kNumDTypes) return "jax_blink CUDA executor: unsupported dtype";
   if (s->nranks == 1 && in == out) return {};  // the identity, nothing to copy
+  ++s->launches;
+  static const bool log_buffers = EnvIs("JAX_BLINK_LOG_BUFFERS", "1");
+  if (log_buffers) LogBuffers(s, in, out);
   // The site's device must be current: its kernel handle belongs to that device's primary context.
   // XLA calls the handler with it current (one cheap check); the self-test's threads switch here.
   int cur = -1;
@@ -1615,6 +1644,7 @@ std::string CheckEnvironment() {
          "sm (the two-shot kernel) or ce (copy engines move the bytes, a kernel adds them up)");
   one_of("JAX_BLINK_TWOSHOT_MODE", "auto", "pull",
          "auto (remote writes unless an operand aliases its result) or pull (remote reads)");
+  one_of("JAX_BLINK_LOG_BUFFERS", "0", "1", "1 (a stderr line per launch: its buffers) or 0");
   one_of("JAX_BLINK_TWOSHOT_PUSH", "serial", "spread",
          "serial (each peer's whole piece in turn) or spread (the peers in turn every 32 KiB per block)");
   return err;

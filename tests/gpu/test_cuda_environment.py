@@ -73,6 +73,7 @@ def test_good_values_pass(monkeypatch):
     ("JAX_BLINK_TWOSHOT_REDUCERS", "a few", "from 0 to 65536"),
     ("JAX_BLINK_TWOSHOT_ENGINE", "dma", "sm .* or ce"),
     ("JAX_BLINK_TWOSHOT_PUSH", "interleaved", "serial .* or spread"),
+    ("JAX_BLINK_LOG_BUFFERS", "yes", "1 .* or 0"),
     ("JAX_BLINK_ASYNC_ENGINE", "dma", "sm .* or ce"),
     ("JAX_BLINK_CE_PIECE_BYTES", "lots", "byte count"),
     ("JAX_BLINK_CE_PIECE_BYTES", "8", "at least 16"),

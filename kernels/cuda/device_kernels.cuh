@@ -188,8 +188,8 @@ __device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v
 // out[i] = acc (when out != nullptr) and dsts[d][i] = acc for every d (peers' buffers: the push).
 // Block-wide over i < len. Every load is ld.global.cg: `in` and the sources may be a peer's
 // buffer or this rank's buffer written by a peer over NVLink, never to be served from a stale L1
-// line. 16-byte vectors when every pointer is 16-byte aligned, scalar tail; fully scalar
-// otherwise. out may alias in or a source (each element is read before it is written, by the
+// line. 16-byte vectors when every pointer has the same offset from 16 bytes (a scalar head up to
+// the boundary, then vectors, then a scalar tail), fully scalar otherwise. out may alias in or a source (each element is read before it is written, by the
 // same thread). kCv: every load is ld.global.cv instead (the host channel's pinned memory).
 template <class E, class Op, bool kCv = false>
 __device__ void combine_range(typename E::S* out, const typename E::S* in, const typename E::S* const* srcs,
@@ -197,12 +197,18 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
   using S = typename E::S;
   using A = typename E::A;
   constexpr int V = Vec<S>::N;
-  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(in);
-  for (int j = 0; j < nk; ++j) bits |= reinterpret_cast<uintptr_t>(srcs[j]);
-  for (int j = 0; j < nd; ++j) bits |= reinterpret_cast<uintptr_t>(dsts[j]);
-  const int64_t nvec = (bits & 15u) == 0 ? len / V : 0;
-  const uint4* in4 = reinterpret_cast<const uint4*>(in);
-  uint4* out4 = reinterpret_cast<uint4*>(out);
+  // Every rank's buffers start 16-byte aligned, so a piece that starts mid-vector (3 ranks' chunks
+  // of a reduce-scatter) starts at the same offset in each: a scalar head realigns them all.
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(in) & 15u;
+  uintptr_t diff = out != nullptr ? (reinterpret_cast<uintptr_t>(out) & 15u) ^ mis : 0;
+  for (int j = 0; j < nk; ++j) diff |= (reinterpret_cast<uintptr_t>(srcs[j]) & 15u) ^ mis;
+  for (int j = 0; j < nd; ++j) diff |= (reinterpret_cast<uintptr_t>(dsts[j]) & 15u) ^ mis;
+  const bool common = diff == 0 && mis % sizeof(S) == 0;
+  const int64_t to16 = static_cast<int64_t>((16u - mis) & 15u) / static_cast<int64_t>(sizeof(S));
+  const int64_t head = common ? (len < to16 ? len : to16) : 0;
+  const int64_t nvec = common ? (len - head) / V : 0;
+  const uint4* in4 = reinterpret_cast<const uint4*>(in + head);
+  uint4* out4 = out != nullptr ? reinterpret_cast<uint4*>(out + head) : nullptr;
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
     uint4 res[kUnroll];
     if (nk == 0) {  // a copy: no conversion (bit-exact, also for NaN payloads)
@@ -226,7 +232,7 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
         for (int e = 0; e < V; ++e) acc[r][e] = E::load(x.v[e]);
       }
       for (int k = 0; k < nk; ++k) {
-        const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k]);
+        const uint4* s4 = reinterpret_cast<const uint4*>(srcs[k] + head);
 #pragma unroll
         for (int r = 0; r < kUnroll; ++r) {
           const int64_t j = base + int64_t{r} * kThreads;
@@ -248,7 +254,7 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
       }
     }
     for (int d = 0; d < nd; ++d) {
-      uint4* d4 = reinterpret_cast<uint4*>(dsts[d]);
+      uint4* d4 = reinterpret_cast<uint4*>(dsts[d] + head);
 #pragma unroll
       for (int r = 0; r < kUnroll; ++r) {
         const int64_t j = base + int64_t{r} * kThreads;
@@ -263,7 +269,9 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
       }
     }
   }
-  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) {
+  // The scalar elements: the head [0, head), then the tail [head + nvec V, len).
+  for (int64_t t = threadIdx.x; t < len - nvec * V; t += kThreads) {
+    const int64_t i = t < head ? t : t + nvec * V;
     S v = ldcg_scalar<S, kCv>(in + i);
     if (nk > 0) {
       A a = E::load(v);
@@ -279,10 +287,13 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
 template <class S, bool kPeer>
 __device__ void copy_range(S* dst, const S* src, int64_t len) {
   constexpr int V = 16 / sizeof(S);
-  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0;
-  const int64_t nvec = aligned ? len / V : 0;
-  const uint4* s4 = reinterpret_cast<const uint4*>(src);
-  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(src) & 15u;  // a common offset: scalar head (combine_range)
+  const bool common = (reinterpret_cast<uintptr_t>(dst) & 15u) == mis && mis % sizeof(S) == 0;
+  const int64_t to16 = static_cast<int64_t>((16u - mis) & 15u) / static_cast<int64_t>(sizeof(S));
+  const int64_t head = common ? (len < to16 ? len : to16) : 0;
+  const int64_t nvec = common ? (len - head) / V : 0;
+  const uint4* s4 = reinterpret_cast<const uint4*>(src + head);
+  uint4* d4 = reinterpret_cast<uint4*>(dst + head);
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t{kThreads} * kUnroll) {
     uint4 raw[kUnroll];
 #pragma unroll
@@ -296,8 +307,10 @@ __device__ void copy_range(S* dst, const S* src, int64_t len) {
       if (j < nvec) d4[j] = raw[r];
     }
   }
-  for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads)
+  for (int64_t t = threadIdx.x; t < len - nvec * V; t += kThreads) {
+    const int64_t i = t < head ? t : t + nvec * V;
     dst[i] = kPeer ? ldcg_scalar(src + i) : src[i];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

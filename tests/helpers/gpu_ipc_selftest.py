@@ -23,7 +23,9 @@ collective once; IPC_SELFTEST_QUICK=2: 1031 elements only):
 Timing (two GPUs, or IPC_SELFTEST_TIMING=only: no checks, ours alone where NCCL cannot run): a
 20-call chain of all_reduce against lax.psum, float32, 1 KiB-256 MiB per rank; IPC_SELFTEST_PROFILE=1
 adds each kernel's time at 1 and 16 MiB; --bench-out writes the timings as a bench result of layout
-"several processes" for the dispatch table (``python -m jax_blink crossover PATH``).
+"several processes" for the dispatch table (``python -m jax_blink crossover PATH``). ``--dispatch auto``
+times what ``dispatch="auto"`` runs instead of the executor (each row names the path it ran; such a
+file records ``dispatch: auto``, which the dispatch table refuses to be derived from).
 """
 from __future__ import annotations
 
@@ -177,15 +179,18 @@ def child(pid: int, port: int, distinct: bool, nproc: int = 2) -> dict:
                 if not (ok and same):
                     failures.append(f"{name}: {'wrong values' if not ok else ''} {'ranks differ' if not same else ''}")
     timed = timing == "only" or (timing == "auto" and distinct and not quick)
-    timings = _time_against_lax(mesh, lax_too=distinct) if timed else []
+    timings = _time_against_lax(mesh, lax_too=distinct, dispatch=os.environ.get("IPC_SELFTEST_DISPATCH", "blink")
+                                ) if timed else []
     return {"ok": not failures, "process": pid, "processes": nproc, "checks": checks, "failures": failures,
             "timings": timings, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "gpus": "one per process" if distinct else "every process on GPU 0"}
 
 
-def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
-    """Per-call time of a 20-call chain of our all-reduce and (``lax_too``: two GPUs, where NCCL
-    runs) of lax.psum, float32, taking turns (jax_blink.tools.bench's method). Both processes run the
+def _time_against_lax(mesh, lax_too: bool, dispatch: str = "blink") -> list[dict]:
+    """Per-call time of a 20-call chain of our all-reduce (traced under ``dispatch``: ``blink``, the
+    executor, or ``auto``, what users get; each row's ``path`` says which ran) and (``lax_too``: one
+    GPU per process, where NCCL runs) of lax.psum, float32, taking turns (jax_blink.tools.bench's
+    method). Both processes run the
     same number of rounds (no time-based stopping), so neither waits on a call the other never
     makes. IPC_SELFTEST_PROFILE=1 also traces one chain of ours at 1 and 16 MiB (CUPTI, through
     jax's profiler) and reports each kernel's median time and the gaps between kernels."""
@@ -196,13 +201,14 @@ def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_blink
+    from jax_blink.lowering import backends as _backends
     from jax_blink.tools import timing
 
     k, rows = 20, []
     profile = os.environ.get("IPC_SELFTEST_PROFILE") == "1"
     for nbytes in (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28):
         n = nbytes // 4
-        ours = timing.chained(lambda v, a: jax_blink.all_reduce(v, a) * 0.5, mesh, "x", k)
+        ours = timing.chained(lambda v, a: jax_blink.all_reduce(v, a) * 0.5, mesh, "x", k, dispatch=dispatch)
         lax_ = timing.chained(lambda v, a: jax.lax.psum(v, a) * 0.5, mesh, "x", k)
         data = np.random.default_rng(1).standard_normal(mesh.devices.size * n).astype(np.float32)
         # (not device_put: in a job of processes it checks the value through XLA's collectives,
@@ -212,7 +218,8 @@ def _time_against_lax(mesh, lax_too: bool) -> list[dict]:
         fns = [ours, lax_] if lax_too else [ours]
         times = timing.interleaved_times(fns, x, runs)
         us = lambda t: round(statistics.median(t) / k * 1e6, 2)
-        row = {"bytes_per_rank": nbytes, "ours_us": us(times[0])}
+        path = "executor" if _backends.TARGET_IPC in ours.lower(x).as_text() else "lax"
+        row = {"bytes_per_rank": nbytes, "ours_us": us(times[0]), "dispatch": dispatch, "path": path}
         if lax_too:
             row["lax_us"] = us(times[1])
             row["speedup"] = round(statistics.median(times[1]) / statistics.median(times[0]), 3)
@@ -259,6 +266,9 @@ def main() -> int:
     ap.add_argument("--shared", action="store_true",
                     help="every process on GPU 0 even where there are enough GPUs")
     ap.add_argument("--out", metavar="JSON", help="write the summary here")
+    ap.add_argument("--dispatch", choices=("blink", "auto"), default="blink",
+                    help="what the timing runs as ours: blink (default), the executor, which dispatch entries "
+                         "come from; auto, what dispatch=\"auto\" runs (each row names the path)")
     ap.add_argument("--bench-out", metavar="JSON",
                     help="write the timings (two GPUs) as a bench result for python -m jax_blink crossover")
     args = ap.parse_args()
@@ -272,6 +282,7 @@ def main() -> int:
     if children.gpu_count() == 0:
         ap.error("needs a CUDA GPU (nvidia-smi lists none); tests/gpu/test_cuda_ipc.py skips without one")
     out = args.out
+    os.environ["IPC_SELFTEST_DISPATCH"] = args.dispatch  # the children's timing reads it
     # With N GPUs each process takes its own (one process per GPU, as launchers run jobs);
     # with fewer, all share GPU 0. --shared forces the shared layout.
     distinct = children.gpu_count() >= nproc and not args.shared
@@ -325,10 +336,11 @@ def _write_bench_json(path: str, results: list[dict]) -> None:
     n = results[0].get("processes", 2)
     rows = [{"size": t["bytes_per_rank"], "count": t["bytes_per_rank"] // 4, "dtype": "float32", "n": n,
              "process": r["process"], "time_us": t["ours_us"], "lax_time_us": t["lax_us"],
-             "speedup": t["speedup"], "wrong": 0 if t["same"] else 1}
+             "speedup": t["speedup"], "wrong": 0 if t["same"] else 1, "path": t.get("path", "executor")}
             for r in results for t in r.get("timings", []) if "lax_us" in t]
     meta = {"device_kind": results[0].get("device"), "n": n, "jax": results[0].get("jax"), "k": 20,
             "collective": "allreduce", "layout": "several processes", "date": time.strftime("%Y-%m-%d"),
+            "dispatch": (results[0].get("timings") or [{}])[0].get("dispatch", "blink"),
             "method": "tests/helpers/gpu_ipc_selftest.py, one process per GPU (jax.distributed on loopback): a 20-call "
                       "chain of jax_blink.all_reduce (CUDA IPC) and of lax.psum (NCCL), taking turns, median "
                       "per-call time; each process timed its own device, one row per process and size"}

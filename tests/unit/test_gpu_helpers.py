@@ -35,3 +35,39 @@ def test_gpu_helper_scripts_import_and_refuse_without_a_gpu(tmp_path, script, ar
     assert r.returncode == 2, r.stdout + r.stderr
     assert "needs a CUDA GPU" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def _ipc_results(dispatch: str) -> list[dict]:
+    rows = [{"bytes_per_rank": b, "ours_us": 30.0, "lax_us": 40.0 if b < 1 << 20 else 20.0, "speedup": 0.0,
+             "same": True, "dispatch": dispatch, "path": "executor"} for b in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    for r in rows:
+        r["speedup"] = round(r["lax_us"] / r["ours_us"], 3)
+    return [{"process": p, "processes": 4, "device": "NVIDIA H200", "jax": "0.11.2", "timings": rows}
+            for p in range(4)]
+
+
+@pytest.mark.parametrize("dispatch", ["blink", "auto"])
+def test_ipc_selftest_bench_file_records_its_dispatch_and_only_executor_runs_derive(tmp_path, dispatch):
+    # A timing of what dispatch="auto" ran must never become a dispatch entry (it would judge the
+    # table by itself); the executor's timing must.
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    try:
+        import gpu_ipc_selftest
+    finally:
+        sys.path.pop(0)
+    from jax_blink.tools import derive
+
+    path = tmp_path / "allreduce-ipc4.json"
+    gpu_ipc_selftest._write_bench_json(str(path), _ipc_results(dispatch))
+    import json
+
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["dispatch"] == dispatch and doc["meta"]["layout"] == "several processes"
+    assert len(doc["rows"]) == 16 and {r["path"] for r in doc["rows"]} == {"executor"}
+    if dispatch == "auto":
+        with pytest.raises(ValueError, match="dispatch='auto'"):
+            derive.derive([path.name], root=str(tmp_path))
+    else:
+        c = derive.derive([path.name], root=str(tmp_path))
+        # lax won from 1 MiB; the executor at 64 KiB: lax from the point between the two
+        assert (c.ranks, c.layout, c.lax_ranges) == (4, "several processes", ((1 << 18, None),))

@@ -13,7 +13,9 @@
 #   multi     driver and ipc4
 #   rs3       the open memcheck finding (benchmarks/NOTES.md): reduce-scatter on 3 GPUs, bfloat16,
 #             64 MiB per rank, 4 calls: without the tool under XLA's platform allocator and under
-#             its pool (every result checked), then memcheck under each allocator
+#             its pool (every result checked), then memcheck under each allocator with every
+#             launch's buffers logged (JAX_BLINK_LOG_BUFFERS=1); then benchmarks/va_reuse_probe.py
+#             (a peer read at an address the reader freed) plain and under memcheck
 # Only jax_blink's kernels are checked by default (SAN_KERNELS="--kernel-name kns=jax_blink": they
 # live in namespace jax_blink; XLA's and NCCL's are left alone); SAN_KERNELS= checks every kernel.
 # Every run is bounded (timeout, then SIGKILL 5 s later; the IPC self-test's children are killed by
@@ -94,10 +96,14 @@ if has rs3; then
     a=""; [ $alloc = platform ] && a="XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false"
     t0=$(date +%s); env $a timeout -k 5 120 python3 $RS3 > "$OUT/rs3-$alloc.log" 2>&1
     echo "rs3 without the tool, $alloc allocator: rc=$? $(( $(date +%s)-t0 ))s: $(grep -h '^driver:' "$OUT/rs3-$alloc.log")" | tee -a $S
-    t0=$(date +%s); env $a JAX_BLINK_TIMEOUT_S=30 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout -k 5 120 \
+    t0=$(date +%s); env $a JAX_BLINK_LOG_BUFFERS=1 JAX_BLINK_TIMEOUT_S=30 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout -k 5 120 \
       compute-sanitizer --tool memcheck $SAN_KERNELS python3 $RS3 > "$OUT/san-rs3-$alloc.log" 2>&1
     rc=$?; summary "memcheck rs3 ($alloc allocator)" "$OUT/san-rs3-$alloc.log" "$rc" "$(( $(date +%s)-t0 ))"
   done
+  timeout -k 5 60 python3 benchmarks/va_reuse_probe.py > "$OUT/va-reuse-plain.log" 2>&1
+  echo "va_reuse_probe without the tool: rc=$?" | tee -a $S; grep -h "^moved\|^control" "$OUT/va-reuse-plain.log" | tee -a $S
+  t0=$(date +%s); timeout -k 5 90 compute-sanitizer --tool memcheck python3 benchmarks/va_reuse_probe.py > "$OUT/san-va-reuse.log" 2>&1
+  rc=$?; summary "memcheck va_reuse_probe" "$OUT/san-va-reuse.log" "$rc" "$(( $(date +%s)-t0 ))"
 fi
 if has ipc4; then
   for tool in memcheck racecheck synccheck; do

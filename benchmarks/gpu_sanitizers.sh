@@ -14,8 +14,9 @@
 #   rs3       the open memcheck finding (benchmarks/NOTES.md): reduce-scatter on 3 GPUs, bfloat16,
 #             64 MiB per rank, 4 calls: without the tool under XLA's platform allocator and under
 #             its pool (every result checked), then memcheck under each allocator with every
-#             launch's buffers logged (JAX_BLINK_LOG_BUFFERS=1); then benchmarks/va_reuse_probe.py
-#             (a peer read at an address the reader freed) plain and under memcheck
+#             launch's buffers logged (JAX_BLINK_LOG_BUFFERS=1); then benchmarks/peer_alloc_probe.py
+#             (peer reads of buffers born at an address the reader freed, or after the reader's
+#             kernel was launched) plain and under memcheck
 # Only jax_blink's kernels are checked by default (SAN_KERNELS="--kernel-name kns=jax_blink": they
 # live in namespace jax_blink; XLA's and NCCL's are left alone); SAN_KERNELS= checks every kernel.
 # Every run is bounded (timeout, then SIGKILL 5 s later; the IPC self-test's children are killed by
@@ -100,10 +101,14 @@ if has rs3; then
       compute-sanitizer --tool memcheck $SAN_KERNELS python3 $RS3 > "$OUT/san-rs3-$alloc.log" 2>&1
     rc=$?; summary "memcheck rs3 ($alloc allocator)" "$OUT/san-rs3-$alloc.log" "$rc" "$(( $(date +%s)-t0 ))"
   done
-  timeout -k 5 60 python3 benchmarks/va_reuse_probe.py > "$OUT/va-reuse-plain.log" 2>&1
-  echo "va_reuse_probe without the tool: rc=$?" | tee -a $S; grep -h "^moved\|^control" "$OUT/va-reuse-plain.log" | tee -a $S
-  t0=$(date +%s); timeout -k 5 90 compute-sanitizer --tool memcheck python3 benchmarks/va_reuse_probe.py > "$OUT/san-va-reuse.log" 2>&1
-  rc=$?; summary "memcheck va_reuse_probe" "$OUT/san-va-reuse.log" "$rc" "$(( $(date +%s)-t0 ))"
+  timeout -k 5 60 python3 benchmarks/peer_alloc_probe.py > "$OUT/peer-alloc-plain.log" 2>&1
+  echo "peer_alloc_probe without the tool: rc=$?" | tee -a $S; grep -h "^moved\|^late" "$OUT/peer-alloc-plain.log" | tee -a $S
+  for case in moved late; do
+    t0=$(date +%s); timeout -k 5 90 compute-sanitizer --tool memcheck python3 benchmarks/peer_alloc_probe.py --case $case \
+      > "$OUT/san-peer-alloc-$case.log" 2>&1
+    rc=$?; summary "memcheck peer_alloc_probe $case" "$OUT/san-peer-alloc-$case.log" "$rc" "$(( $(date +%s)-t0 ))"
+    grep -h "^$case" "$OUT/san-peer-alloc-$case.log" | tee -a $S
+  done
 fi
 if has ipc4; then
   for tool in memcheck racecheck synccheck; do

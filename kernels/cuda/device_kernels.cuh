@@ -184,28 +184,35 @@ __device__ __forceinline__ Vec<S> as_vec(uint4 u) { Vec<S> r; memcpy(&r, &u, 16)
 template <class S>
 __device__ __forceinline__ uint4 as_u4(const Vec<S>& v) { uint4 u; memcpy(&u, &v, 16); return u; }
 
+// Elements of S before the first 16-byte boundary of a range whose pointers all sit `mis` bytes
+// past one (every rank's buffers start aligned, so a piece that starts mid-vector, as 3 ranks'
+// reduce-scatter chunks do, starts at the same offset in each): the scalar head of the movers below.
+template <class S>
+__device__ __forceinline__ int64_t head_to_16(uintptr_t mis, int64_t len) {
+  const int64_t to16 = static_cast<int64_t>((16u - mis) & 15u) / static_cast<int64_t>(sizeof(S));
+  return len < to16 ? len : to16;
+}
+
 // The one data mover: acc = in[i] op srcs[0][i] op srcs[1][i] ... (srcs in order); then
 // out[i] = acc (when out != nullptr) and dsts[d][i] = acc for every d (peers' buffers: the push).
 // Block-wide over i < len. Every load is ld.global.cg: `in` and the sources may be a peer's
 // buffer or this rank's buffer written by a peer over NVLink, never to be served from a stale L1
-// line. 16-byte vectors when every pointer has the same offset from 16 bytes (a scalar head up to
-// the boundary, then vectors, then a scalar tail), fully scalar otherwise. out may alias in or a source (each element is read before it is written, by the
-// same thread). kCv: every load is ld.global.cv instead (the host channel's pinned memory).
+// line. 16-byte vectors when every pointer has the same offset from 16 bytes (a scalar head up
+// to the boundary, then vectors, then a scalar tail), fully scalar otherwise. out may alias in or
+// a source (each element is read before it is written, by the same thread). kCv: every load is
+// ld.global.cv instead (the host channel's pinned memory).
 template <class E, class Op, bool kCv = false>
 __device__ void combine_range(typename E::S* out, const typename E::S* in, const typename E::S* const* srcs,
                               int nk, typename E::S* const* dsts, int nd, int64_t len) {
   using S = typename E::S;
   using A = typename E::A;
   constexpr int V = Vec<S>::N;
-  // Every rank's buffers start 16-byte aligned, so a piece that starts mid-vector (3 ranks' chunks
-  // of a reduce-scatter) starts at the same offset in each: a scalar head realigns them all.
-  const uintptr_t mis = reinterpret_cast<uintptr_t>(in) & 15u;
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(in) & 15u;  // shared by every pointer: head_to_16
   uintptr_t diff = out != nullptr ? (reinterpret_cast<uintptr_t>(out) & 15u) ^ mis : 0;
   for (int j = 0; j < nk; ++j) diff |= (reinterpret_cast<uintptr_t>(srcs[j]) & 15u) ^ mis;
   for (int j = 0; j < nd; ++j) diff |= (reinterpret_cast<uintptr_t>(dsts[j]) & 15u) ^ mis;
   const bool common = diff == 0 && mis % sizeof(S) == 0;
-  const int64_t to16 = static_cast<int64_t>((16u - mis) & 15u) / static_cast<int64_t>(sizeof(S));
-  const int64_t head = common ? (len < to16 ? len : to16) : 0;
+  const int64_t head = common ? head_to_16<S>(mis, len) : 0;
   const int64_t nvec = common ? (len - head) / V : 0;
   const uint4* in4 = reinterpret_cast<const uint4*>(in + head);
   uint4* out4 = out != nullptr ? reinterpret_cast<uint4*>(out + head) : nullptr;
@@ -287,10 +294,9 @@ __device__ void combine_range(typename E::S* out, const typename E::S* in, const
 template <class S, bool kPeer>
 __device__ void copy_range(S* dst, const S* src, int64_t len) {
   constexpr int V = 16 / sizeof(S);
-  const uintptr_t mis = reinterpret_cast<uintptr_t>(src) & 15u;  // a common offset: scalar head (combine_range)
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(src) & 15u;
   const bool common = (reinterpret_cast<uintptr_t>(dst) & 15u) == mis && mis % sizeof(S) == 0;
-  const int64_t to16 = static_cast<int64_t>((16u - mis) & 15u) / static_cast<int64_t>(sizeof(S));
-  const int64_t head = common ? (len < to16 ? len : to16) : 0;
+  const int64_t head = common ? head_to_16<S>(mis, len) : 0;
   const int64_t nvec = common ? (len - head) / V : 0;
   const uint4* s4 = reinterpret_cast<const uint4*>(src + head);
   uint4* d4 = reinterpret_cast<uint4*>(dst + head);

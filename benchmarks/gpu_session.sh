@@ -4,7 +4,7 @@
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
 # Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4
-# multi (hybrid and stbench use
+# multi train decode schedule twoshot cesweep linkprobe auto3 (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
@@ -18,6 +18,8 @@
 # benchmarks/gpu_soak.py for SOAK_S seconds (default 15); faults4 runs benchmarks/gpu_faults.py
 # (a skipping rank in one process; 4 processes: one that never calls, frees its memory early,
 # never reaches a set-up, is killed mid-call, brings another shape).
+# auto3 times what dispatch="auto" runs on 3 of the GPUs (all-reduce, all-gather, reduce-scatter,
+# float32 and bfloat16, 1 KiB-256 MiB; about 2 minutes) and lists every ratio below 1.0.
 # Issue 27 (the package built): twoshot runs benchmarks/twoshot_sweep.py (the two-shot kernel's
 # knobs and psum taking turns in one process); cesweep runs benchmarks/ce_sweep.py (the copy
 # engines' all-reduce against the executor and psum, 1 min on 4 x H200; CESWEEP_ARGS adds arguments,
@@ -26,14 +28,15 @@
 # peers at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
-# on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_ASYNC_BLOCKS="8 12"
+# on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto
+# times the modes as users get them (buckets psum was measured faster for go to psum); TRAIN_ASYNC_BLOCKS="8 12"
 # adds a GPT-2 run per overlapped grid size, 1.5 min each);
 # decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes); schedule
 # prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot cesweep linkprobe "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot cesweep linkprobe auto3 "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
@@ -170,7 +173,7 @@ PY
       for model in "gpt2 full" "resnet medium"; do
         set -- $model
         JAX_BLINK_ASYNC_ENGINE=${TRAIN_ASYNC_ENGINE:-} timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective overlap \
-          --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" > "$OUT/train-$1.log" 2>&1
+          --dispatch "${TRAIN_DISPATCH:-blink}" --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -9
         for m in blink overlap; do
           t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
@@ -208,5 +211,11 @@ PY
     bench)
       log bench
       timeout 500 python3 -m jax_blink.tools.bench $BENCH_ARGS -o "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    auto3)  # issue 27: what dispatch="auto" runs on 3 of the GPUs, every collective of the table
+      log auto3
+      CUDA_VISIBLE_DEVICES=0,1,2 timeout 300 python3 -m jax_blink.tools.bench --dispatch auto -c allreduce,allgather,reducescatter \
+        -b 1K -e 256M -f 8 -d float32,bfloat16 --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-')-x3" \
+        -o "$OUT/auto3" > "$OUT/auto3.log" 2>&1; echo "auto3 rc=$?" | tee -a "$OUT/session.log"
+      grep -E "^ *[0-9]" "$OUT/auto3.log" | awk '$10 < 1.0 {print "below 1.0:", $0}' | tee -a "$OUT/session.log" ;;
   esac
 done

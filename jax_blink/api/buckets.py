@@ -316,13 +316,12 @@ def ready_order(program: jaxpr_steps.FlatProgram, keys: Sequence) -> list[int]:
 
 def start_in_order(buf, started: list, axis_name, *, full_grid: bool, **kwargs):
     """:func:`jax_blink.all_reduce_start` of one bucket, appended to ``started``. On CPU host devices
-    (synchronous starts) its operand first waits for the previous executor start's result, so that
-    every device runs the executor's calls in one order (see :func:`bucketed`); starts that became
-    XLA's own all-reduce need no such chain."""
+    (synchronous starts) its operand first waits for the previous start's result, so that every
+    device runs the calls in one order (see :func:`bucketed`): XLA's CPU collectives too, which
+    would otherwise run beside ours in an order of each device's own."""
     from jax_blink.api.overlap import all_reduce_start
-    ours = [h for h in started if h.site is not None]
-    if ours and _on_cpu(buf):
-        buf = _wait_for(buf, ours[-1].result)
+    if started and _on_cpu(buf):
+        buf = _wait_for(buf, started[-1].result)
     started.append(all_reduce_start(buf, axis_name, full_grid=full_grid, **kwargs))
     return started[-1]
 

@@ -262,7 +262,7 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
 
 def test_value_and_grad_overlapped_leaves_lax_buckets_to_xla(monkeypatch):
     """Buckets the dispatch gives to lax (here every one: dispatch="lax") are XLA's own all-reduces
-    with no optimization_barrier around them (XLA's scheduler places and overlaps those; the
+    with no optimization_barrier after them (XLA's scheduler places and overlaps those; the
     barriers cost GPT-2's step 2.6% on 4 x H200), and the gradients still equal value_and_grad +
     psum on fresh random data. The same program under dispatch="blink" keeps its barriers."""
     monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
@@ -282,7 +282,8 @@ def test_value_and_grad_overlapped_leaves_lax_buckets_to_xla(monkeypatch):
         f = step()
         text = f.lower(params, xs).as_text()
         got = f(params, xs)
-    assert "optimization_barrier" not in text and "jax_blink" not in text, text
+    # no barrier, no jax_blink collective (on CPU host devices the starts still chain in one order)
+    assert "optimization_barrier" not in text and "jax_blink_collective" not in text, text
     assert text.count("stablehlo.all_reduce") >= 4, text
     with override(dispatch="blink"):
         assert "optimization_barrier" in step().lower(params, xs).as_text()

@@ -281,7 +281,7 @@ struct Site {
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
-  uint64_t launches = 0;  // this rank's Launch calls (JAX_BLINK_LOG_BUFFERS numbers them)
+  uint64_t launches = 0;  // this rank's Launch calls since set-up, not reset (JAX_BLINK_LOG_BUFFERS numbers them)
 };
 
 namespace {
@@ -1442,7 +1442,7 @@ void LogBuffers(Site* s, const void* in, const void* out) {
     std::snprintf(b, sizeof b, "(in [0x%llx, +%zu))", static_cast<unsigned long long>(base), size);
     return std::string(b);
   };
-  std::fprintf(stderr, "jax_blink buffers: device %d rank %d/%d mode %s call %llu: in %p %s out %p %s, %lld bytes\n",
+  std::fprintf(stderr, "jax_blink buffers: device %d rank %d/%d mode %s launch %llu: in %p %s out %p %s, %lld bytes\n",
                s->device, s->rank, s->nranks, ModeName(s->mode), static_cast<unsigned long long>(s->launches), in,
                where(in).c_str(), out, where(out).c_str(), static_cast<long long>(s->total * s->esize));
 }

@@ -173,26 +173,36 @@ std::string TimeoutMessage(const Comm& c) {
 // ---------------------------------------------------------------------------------------------
 // Kernels.
 
-// Copies `bytes` bytes from src to dst, 16 bytes at a time where `vec` (both aligned), by the
-// grid's threads in a grid-stride loop.
-__device__ __forceinline__ void GridCopy(char* dst, const char* src, int64_t bytes, bool vec) {
+template <class U>
+__device__ __forceinline__ void GridCopyUnits(char* dst, const char* src, int64_t bytes) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t n16 = vec ? bytes / 16 : 0;
-  uint4* d16 = reinterpret_cast<uint4*>(dst);
-  const uint4* s16 = reinterpret_cast<const uint4*>(src);
-  for (int64_t i = tid; i < n16; i += stride) d16[i] = __ldcg(s16 + i);
-  for (int64_t i = n16 * 16 + tid; i < bytes; i += stride) dst[i] = __ldcg(src + i);
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(U));
+  U* d = reinterpret_cast<U*>(dst);
+  const U* s = reinterpret_cast<const U*>(src);
+  for (int64_t i = tid; i < n; i += stride) d[i] = __ldcg(s + i);
+  for (int64_t i = n * static_cast<int64_t>(sizeof(U)) + tid; i < bytes; i += stride) dst[i] = __ldcg(src + i);
+}
+
+// Copies `bytes` bytes from src to dst by the grid's threads in a grid-stride loop, in the widest
+// unit (16, 4, 2 or 1 bytes) both addresses are aligned to: the pieces of a 3-process
+// reduce-scatter start off 16 bytes, and byte copies take 16 times the instructions.
+__device__ __forceinline__ void GridCopy(char* dst, const char* src, int64_t bytes) {
+  const uintptr_t both = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  if ((both & 15u) == 0) GridCopyUnits<uint4>(dst, src, bytes);
+  else if ((both & 3u) == 0) GridCopyUnits<unsigned int>(dst, src, bytes);
+  else if ((both & 1u) == 0) GridCopyUnits<unsigned short>(dst, src, bytes);
+  else GridCopyUnits<char>(dst, src, bytes);
 }
 
 // Pushes x + x_off + p * x_stride (`bytes` bytes) into peers[p] + dst_off for every p in
 // [lo, hi) but `skip`, then its last block signals call `seq` into flag[rank] of EVERY rank's
 // region (see the proof above: ranks that got no data are signalled too).
-__global__ void PushKernel(const char* x, int64_t x_off, int64_t x_stride, int64_t bytes, bool vec,
+__global__ void PushKernel(const char* x, int64_t x_off, int64_t x_stride, int64_t bytes,
                            char* const* peers, int nranks, int lo, int hi, int skip, int rank,
                            size_t dst_off, size_t off_flags, uint32_t seq, unsigned* counter) {
   for (int p = lo; p < hi; ++p)
-    if (p != skip) GridCopy(peers[p] + dst_off, x + x_off + p * x_stride, bytes, vec);
+    if (p != skip) GridCopy(peers[p] + dst_off, x + x_off + p * x_stride, bytes);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
@@ -294,13 +304,13 @@ __global__ void WaitReduceKernel(const char* mine, const T* own, int own_slot, T
 // itself), or not at all where `own` is already that piece of dst (in place).
 __global__ void WaitCopyKernel(const char* mine, const char* src, int64_t src_stride, char* dst,
                                int64_t dst_stride, int count, int own_k, const char* own, int64_t bytes,
-                               bool vec, int nranks, size_t off_flags, uint32_t seq, uint64_t timeout_ns,
+                               int nranks, size_t off_flags, uint32_t seq, uint64_t timeout_ns,
                                ErrRec* err) {
   if (!BlockWaitAll(mine, nranks, off_flags, seq, timeout_ns, err)) return;
   for (int k = 0; k < count; ++k) {
     char* d = dst + k * dst_stride;
-    if (k != own_k) GridCopy(d, src + k * src_stride, bytes, vec);
-    else if (own != d) GridCopy(d, own, bytes, vec);
+    if (k != own_k) GridCopy(d, src + k * src_stride, bytes);
+    else if (own != d) GridCopy(d, own, bytes);
   }
 }
 
@@ -351,8 +361,6 @@ cudaError_t LaunchReduceTyped(ffi::DataType t, int op, int blocks, cudaStream_t 
 int BlocksFor(int64_t units, int cap) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (units + kThreads - 1) / kThreads)));
 }
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 ffi::Error Fail(ffi::ErrorCode code, std::string msg) { return ffi::Error(code, std::move(msg)); }
 
@@ -410,10 +418,8 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
       break;
     case Collective::kReduce: lo = root, hi = root + 1; break;
   }
-  // 16-byte copies where every piece starts aligned (inbox slots are 256-aligned).
-  const bool push_vec = Aligned16(xs + x_off) && x_stride % 16 == 0;
   PushKernel<<<BlocksFor(push_bytes / 16 + 1, c->max_blocks), kThreads, 0, stream>>>(
-      xs, x_off, x_stride, push_bytes, push_vec, c->d_peers, n, lo, hi, skip, r, dst_off, c->off_flags, seq,
+      xs, x_off, x_stride, push_bytes, c->d_peers, n, lo, hi, skip, r, dst_off, c->off_flags, seq,
       reinterpret_cast<unsigned*>(c->mine) + kCounterWord);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Fail(ffi::ErrorCode::kInternal, where + CudaError("launch (push)", e));
@@ -438,10 +444,8 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
     const char* own = nullptr;
     if (k == Collective::kAllGather) count = n, own_k = r, own = xs + r * c->piece;  // its own piece from x
     if (!Receives(k, r, root)) own_k = 0, own = xs;  // its own x (nothing to copy in place)
-    const bool vec = Aligned16(src) && Aligned16(os) && (own == nullptr || Aligned16(own)) &&
-                     (count <= 1 || (src_stride % 16 == 0 && dst_stride % 16 == 0));
     WaitCopyKernel<<<BlocksFor(c->piece / 16 + 1, c->max_blocks), kThreads, 0, stream>>>(
-        c->mine, src, src_stride, os, dst_stride, count, own_k, own, c->piece, vec, n, c->off_flags, seq, tns,
+        c->mine, src, src_stride, os, dst_stride, count, own_k, own, c->piece, n, c->off_flags, seq, tns,
         c->d_err);
     e = cudaGetLastError();
   }

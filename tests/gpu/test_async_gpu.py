@@ -17,18 +17,12 @@ import jax_blink
 from jax_blink.api.buckets import BucketLayout, bucketed_all_reduce
 from jax_blink.lowering import async_call
 from jax_blink.options import override
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 try:
     from jax_blink import _blink_cuda
 except ImportError:
     _blink_cuda = None
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 GPUS = _gpus()
@@ -146,7 +140,6 @@ def test_copy_engine_form_on_gpus(dtype, monkeypatch):
             np.testing.assert_allclose(got, exact, rtol=rtol, atol=rtol * 4)
     jax_blink.check()
     assert _blink_cuda.async_in_flight() == 0
-
 
 
 @pytest.mark.parametrize("piece,gather,full_grid,scatter", [("16K", "pull", False, "pull"), ("1M", "pull", False, "pull"),

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +28,6 @@ except ImportError:  # not built (no nvcc) or not importable here
     _blink_cuda = None
 
 from jax_blink.planning import schedule as S
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 if len(_gpus()) < 1 or _blink_cuda is None:

@@ -21,6 +21,7 @@ from jax_blink.lowering import backends as _backends
 from jax_blink.lowering import custom_call
 from jax_blink.planning import schedule as S
 from jax_blink.options import override
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 try:
     from jax_blink import _blink_cuda
@@ -29,13 +30,6 @@ except ImportError:  # not built (no nvcc) or not importable here
 
 needs_module = pytest.mark.skipif(_blink_cuda is None, reason="needs jax_blink._blink_cuda (a CUDA build)")
 _ids = itertools.count(2 * 10**9)  # far from collectives.py's ids and test_cuda.py's
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 needs_gpu = pytest.mark.skipif(_blink_cuda is None or not _gpus(), reason="needs a GPU and jax_blink._blink_cuda")

@@ -11,15 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
 from jax_blink.options import override
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 # Elements per rank's block: 4-byte and 2-byte offsets from 16 bytes, tiny and past 1 MiB.

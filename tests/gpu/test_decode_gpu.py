@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
 import jax_blink
 from jax_blink.tools.decode.__main__ import main
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 @pytest.mark.parametrize("tp", [2, 4])

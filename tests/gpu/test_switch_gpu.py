@@ -9,16 +9,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
 from jax_blink.options import override
+from conftest import gpu_devices as _gpus  # tests/conftest.py: the GPUs jax lists, or none
 
 pytestmark = pytest.mark.gpu
 TARGET = "jax_blink_collective"
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 _CASES = {

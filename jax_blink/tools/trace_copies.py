@@ -7,7 +7,8 @@ all-reduce moves its bytes with copy engines (``JAX_BLINK_ASYNC_ENGINE=ce``,
     from jax_blink.tools import trace_copies, trace_overlap
     print(trace_copies.describe(trace_copies.summarize(trace_overlap.load(path))))
 
-For each GPU (a process whose name holds ``/device:GPU``): the peer copies (events named
+For each GPU (a process whose name holds ``/device:GPU``; every process where none does, as
+:func:`jax_blink.tools.trace_overlap.gpu_spans` reads them): the peer copies (events named
 ``MemcpyP2P...``) as a count, their bytes (the profiler's ``memcpy_details`` ``size:``), their
 busy time (the union of their intervals), the sum of their durations, and so the mean number
 running at once while any runs (sum / busy) and the rate while any runs (bytes / busy); the busy time of
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from jax_blink.tools.trace_overlap import length, union
+from jax_blink.tools.trace_overlap import gpu_spans, length, process_names, union
 
 #: Copies between GPUs, as the profiler names them.
 PEER_COPIES = re.compile(r"^MemcpyP2P|^MemcpyPtoP|^Memcpy PtoP")
@@ -41,16 +42,10 @@ def summarize(trace: dict) -> dict:
         mean number of copies running while any runs, ``gbps_busy`` the bytes per second (1e9) while any
         runs (0 where the trace gives no sizes).
     """
-    events = trace["traceEvents"]
-    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = process_names(trace)
     per: dict = {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e or "/device:GPU" not in names.get(e.get("pid"), ""):
-            continue
-        d = per.setdefault(e["pid"], {"copies": [], "reductions": [], "all": [], "bytes": 0})
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        name = str(e.get("name", ""))
+    for pid, name, span, e in gpu_spans(trace, names):
+        d = per.setdefault(pid, {"copies": [], "reductions": [], "all": [], "bytes": 0})
         d["all"].append(span)
         if PEER_COPIES.search(name):
             d["copies"].append(span)
@@ -64,7 +59,7 @@ def summarize(trace: dict) -> dict:
             continue
         busy = length(union(d["copies"]))
         total = sum(b - a for a, b in d["copies"])
-        out["devices"][names[pid]] = {
+        out["devices"][names.get(pid, str(pid))] = {
             "copies": len(d["copies"]), "bytes": d["bytes"], "copy_busy_us": busy, "copy_sum_us": total,
             "at_once": total / busy if busy else 0.0, "gbps_busy": d["bytes"] / busy / 1e3 if busy else 0.0,
             "reduce_busy_us": length(union(d["reductions"])),

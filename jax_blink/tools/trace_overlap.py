@@ -43,6 +43,22 @@ def load(path) -> dict:
     return trace
 
 
+def process_names(trace: dict) -> dict:
+    """Every process id of the trace and its name (``/device:GPU:0``, ``/host:CPU``, ...)."""
+    return {e.get("pid"): e.get("args", {}).get("name", "") for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+
+
+def gpu_spans(trace: dict, names: dict | None = None):
+    """``(pid, event name, (start, end), event)`` of every complete event (``"X"``, with a duration)
+    of the GPU processes; of every process where the trace names no GPU."""
+    names = process_names(trace) if names is None else names
+    gpus = {pid for pid, n in names.items() if "/device:GPU" in n}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and "dur" in e and (not gpus or e.get("pid") in gpus):
+            yield e.get("pid"), str(e.get("name", "")), (float(e["ts"]), float(e["ts"]) + float(e["dur"])), e
+
+
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
     merged: list[list[float]] = []
@@ -84,17 +100,10 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
         ``{"devices": {name: {"ours_us", "compute_us", "beside_us", "overlap", "our_kernels"}},
         "ours_us", "beside_us", "overlap"}``; ``overlap`` is None where no kernel of ours ran.
     """
-    events = trace["traceEvents"]
-    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpus = {pid for pid, n in names.items() if "/device:GPU" in n}
+    names = process_names(trace)
     per: dict = {}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e or (gpus and e.get("pid") not in gpus):
-            continue
-        d = per.setdefault(e.get("pid"), {"ours": [], "compute": []})
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        name = str(e.get("name", ""))
+    for pid, name, span, _ in gpu_spans(trace, names):
+        d = per.setdefault(pid, {"ours": [], "compute": []})
         if ours.search(name):
             d["ours"].append(span)
         elif not NOT_COMPUTE.search(name):
@@ -133,8 +142,7 @@ def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     events = trace["traceEvents"]
-    names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = process_names(trace)
     gpus = sorted((pid for pid, n in names.items() if "/device:GPU" in n), key=lambda p: names[p]) or \
         sorted({e.get("pid") for e in events if e.get("ph") == "X"}, key=str)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpus]

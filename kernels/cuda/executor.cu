@@ -209,19 +209,29 @@ struct DeviceState {
   CUfunction one_rank = nullptr;  // one_rank_kernel
 };
 
-// cuLaunchKernel, fetched through the runtime (no link against libcuda), at the first device set-up.
+// A driver API function (CUDA 12 ABI), fetched through the runtime: no link against libcuda.
+// "" and *f set, or the reason it is not there.
+std::string DriverEntry(const char* name, void** f) {
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  *f = nullptr;
+  if (cudaError_t e = cudaGetDriverEntryPointByVersion(name, f, 12000, cudaEnableDefault, &q); e != cudaSuccess) {
+    cudaGetLastError();
+    return CudaErr((std::string("cudaGetDriverEntryPointByVersion (") + name + ")").c_str(), e);
+  }
+  if (q != cudaDriverEntryPointSuccess || *f == nullptr)
+    return std::string("jax_blink CUDA executor: the CUDA driver has no ") + name + " (driver too old?)";
+  return {};
+}
+
+// cuLaunchKernel, fetched at the first device set-up.
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
 std::atomic<LaunchKernelFn> g_launch_kernel{nullptr};
 
 std::string LoadLaunchKernel() {
   if (g_launch_kernel.load(std::memory_order_acquire) != nullptr) return {};
-  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
   void* f = nullptr;
-  JB_TRY("cudaGetDriverEntryPointByVersion (cuLaunchKernel)",
-         cudaGetDriverEntryPointByVersion("cuLaunchKernel", &f, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || f == nullptr)
-    return "jax_blink CUDA executor: the CUDA driver has no cuLaunchKernel (driver too old?)";
+  if (std::string err = DriverEntry("cuLaunchKernel", &f); !err.empty()) return err;
   g_launch_kernel.store(reinterpret_cast<LaunchKernelFn>(f), std::memory_order_release);
   return {};
 }
@@ -281,7 +291,7 @@ struct Site {
   Params params{};
   uint8_t* mem = nullptr;
   size_t mem_bytes = 0, dyn_bytes = 0;  // [0, dyn_bytes): counters, flags, tables (zeroed by reset)
-  uint64_t launches = 0;  // this rank's Launch calls since set-up, not reset (JAX_BLINK_LOG_BUFFERS numbers them)
+  uint64_t launches = 0;  // JAX_BLINK_LOG_BUFFERS: this rank's logged launches since set-up (not reset)
 };
 
 namespace {
@@ -627,16 +637,11 @@ StreamValueFn g_wait_value = nullptr, g_write_value = nullptr;
 
 std::string LoadStreamMemOps() {
   if (g_wait_value != nullptr && g_write_value != nullptr) return {};
-  cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSymbolNotFound, q2 = cudaDriverEntryPointSymbolNotFound;
   void* w = nullptr;
   void* v = nullptr;
-  JB_TRY("cudaGetDriverEntryPointByVersion (cuStreamWaitValue32)",
-         cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &w, 12000, cudaEnableDefault, &q1));
-  JB_TRY("cudaGetDriverEntryPointByVersion (cuStreamWriteValue32)",
-         cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &v, 12000, cudaEnableDefault, &q2));
-  if (q1 != cudaDriverEntryPointSuccess || q2 != cudaDriverEntryPointSuccess || w == nullptr || v == nullptr)
-    return "jax_blink CUDA executor: the driver has no stream memory operations (cuStreamWaitValue32): "
-           "use the SM host channel (JAX_BLINK_HOST_ENGINE=sm)";
+  for (auto [name, f] : {std::pair{"cuStreamWaitValue32", &w}, std::pair{"cuStreamWriteValue32", &v}})
+    if (std::string err = DriverEntry(name, f); !err.empty())
+      return err + ": no stream memory operations; use the SM host channel (JAX_BLINK_HOST_ENGINE=sm)";
   g_wait_value = reinterpret_cast<StreamValueFn>(w);
   g_write_value = reinterpret_cast<StreamValueFn>(v);
   return {};
@@ -1429,10 +1434,9 @@ using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 void LogBuffers(Site* s, const void* in, const void* out) {
   static MemGetAddressRangeFn range = [] {
     void* f = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q);
-    return q == cudaDriverEntryPointSuccess ? reinterpret_cast<MemGetAddressRangeFn>(f) : nullptr;
+    return DriverEntry("cuMemGetAddressRange", &f).empty() ? reinterpret_cast<MemGetAddressRangeFn>(f) : nullptr;
   }();
+  ++s->launches;
   auto where = [&](const void* ptr) {
     CUdeviceptr base = 0;
     size_t size = 0;
@@ -1453,7 +1457,6 @@ std::string Launch(Site* s, DType dtype, int32_t op, const void* in, void* out, 
   const int dt = static_cast<int>(dtype);
   if (dt < 0 || dt >= kNumDTypes) return "jax_blink CUDA executor: unsupported dtype";
   if (s->nranks == 1 && in == out) return {};  // the identity, nothing to copy
-  ++s->launches;
   static const bool log_buffers = EnvIs("JAX_BLINK_LOG_BUFFERS", "1");
   if (log_buffers) LogBuffers(s, in, out);
   // The site's device must be current: its kernel handle belongs to that device's primary context.

@@ -16,13 +16,13 @@ import re
 import sys
 
 _PREFIX = "========= "
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?$")  # not "... N errors were not printed"
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
-_KERNEL = re.compile(r"\bat (.+?)\+0x[0-9a-fA-F]+")
+_KERNEL = re.compile(r"(?:\bat|^Device Frame:) (.+?)\+0x[0-9a-fA-F]+")
 
 
 def _kernel_name(frame: str) -> str | None:
-    """``at ns::(anonymous namespace)::k(Params)+0x1a30`` -> ``ns::(anonymous namespace)::k``."""
+    """``at ns::(anonymous namespace)::k(Params)+0x1a30`` (or ``Device Frame: ...``) -> ``ns::(anonymous namespace)::k``."""
     m = _KERNEL.search(frame)
     if not m:
         return None
@@ -72,7 +72,10 @@ def parse(text: str) -> dict:
         if head.startswith(_INFO):
             continue
         kernel = "?"
-        for frame in [head, *rest]:  # racecheck names the kernel in the head line
+        # The outermost device frame is the __global__ kernel: the "at" frame may be an inlined
+        # intrinsic (__ldcg) of it. Racecheck names the kernel in the head line.
+        device = [f for f in rest if f.startswith("Device Frame:")]
+        for frame in device[-1:] or [head, *rest]:
             name = _kernel_name(frame) if not frame.startswith(("Host Frame", "Saved host")) else None
             if name:
                 kernel = name

@@ -65,7 +65,7 @@ class _FakeCuPy:
         rt = types.SimpleNamespace(
             CUDARuntimeError=CUDARuntimeError, getDeviceCount=lambda: 4, deviceCanAccessPeer=lambda a, b: 1,
             deviceEnablePeerAccess=lambda b: None, malloc=malloc, free=free, memset=memset,
-            deviceSynchronize=lambda: None, hostAlloc=host_alloc, hostGetDevicePointer=lambda p, f: p,
+            deviceSynchronize=lambda: None, hostAlloc=host_alloc,
             freeHost=lambda p: fake._pinned.pop(p))
 
         class Device:
@@ -134,3 +134,25 @@ def test_both_cases_run_and_check_their_sums_with_a_stand_in_for_cupy(monkeypatc
     if not reuse:
         assert "moved: moved (the address the reader freed): not run (the owner did not get" in out
     assert not fake.live and not fake._pinned  # every buffer freed, the pinned box too
+
+
+def test_a_stopped_kernel_is_reported_with_both_addresses_and_fails(monkeypatch, capsys):
+    """Under memcheck the late read is reported and the kernel stopped: the probe must say so,
+    name both buffers' addresses before the sums (which never come), and exit 1, not a traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_alloc_probe", SCRIPT)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    fake = _FakeCuPy(reuse=False)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(probe.time, "sleep", lambda s: None)
+    err = fake.cuda.runtime.CUDARuntimeError
+
+    def stopped(self):
+        raise err("cudaErrorLaunchFailure: unspecified launch failure")
+    monkeypatch.setattr(type(fake.zeros(1)), "get", stopped)
+    assert probe.main(["--case", "late", "--bytes", "64K"]) == 1
+    out = capsys.readouterr().out
+    assert "late: control buffer at 0x" in out and "late: late buffer at 0x" in out
+    assert out.count("the reader's kernel failed (cudaErrorLaunchFailure") == 2 and ": right" not in out, out

@@ -43,3 +43,25 @@ def test_a_log_without_a_summary_says_so():
     assert "0 errors (sum of 0 summaries)" in text and "NO SUMMARY" in text
     clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
     assert "NO SUMMARY" not in sanitizer_summary.line("racecheck", clean)
+
+
+def test_an_inlined_intrinsic_is_charged_to_its_kernel_and_unprinted_errors_are_not_a_summary():
+    """memcheck names __ldcg in its "at" line when our kernel's load is inlined, and with more
+    errors than --print-limit adds "ERROR SUMMARY: N errors were not printed" after the summary."""
+    log = """\
+========= Invalid __global__ read of size 16 bytes
+=========     at __ldcg(const uint4 *)+0x1b100 in sm_32_intrinsics.hpp:177
+=========     by thread (0,0,0) in block (61,0,0)
+=========         Device Frame: T2 jax_blink::cuda::<unnamed>::ld_bypass<(bool)0, uint4>(const T2 *)+0x1b100 in device_kernels.cuh:159
+=========         Device Frame: void jax_blink::cuda::<unnamed>::collective_kernel<E, Op>(Params)+0x19fe0 in device_kernels.cuh:621
+========= Invalid __global__ read of size 4 bytes
+=========     at sum_words+0x6e0
+=========     by thread (224,0,0) in block (8,0,0)
+========= ERROR SUMMARY: 18736 errors
+========= ERROR SUMMARY: 18734 errors were not printed. Use --print-limit option to adjust the number of printed errors
+"""
+    p = sanitizer_summary.parse(log)
+    assert p["summary_errors"] == 18736 and p["processes"] == 1
+    assert {k[2]: v for k, v in p["findings"].items()} == {
+        "void jax_blink::cuda::<unnamed>::collective_kernel<E, Op>": 1, "sum_words": 1}
+    assert sum(v for k, v in p["findings"].items() if k[0]) == 1

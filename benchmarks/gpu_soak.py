@@ -19,7 +19,9 @@ Two phases: the first 40% of the duration compiles new (order, size) programs as
 the rest only reruns programs already compiled, so that memory measured across it is the
 steady state: compiled programs and call sites legitimately add memory, a leak keeps adding it.
 Memory is sampled at the start, when the steady phase begins ("before") and at the end
-("after", once every result is freed): per device XLA's ``memory_stats()`` (bytes in use, peak),
+("after", once every result is freed): per device XLA's ``memory_stats()`` (bytes in use, peak)
+and, on GPUs, NVML's bytes used on the GPU and by this process (what XLA's pool does not count:
+our executor's own allocations, the CUDA context),
 the executors' own memory (the CUDA executor's communicators: staging and control device memory,
 pinned host memory of the host channel; the CPU executor's communicator count) and the process's
 resident and locked memory from /proc/self/status (VmRSS, VmHWM, VmLck, VmPin: a proxy for
@@ -45,6 +47,9 @@ import collective_checks as cc  # noqa: E402  (benchmarks/ on the path first)
 DTYPES = ("float32", "bfloat16", "int32")
 #: Share of the duration that may compile new programs; the rest reruns them (steady state).
 COMPILE_SHARE = 0.4
+#: NVML samples taken at even times through the steady phase: a leak climbs through them, a
+#: one-time allocation (a lazily made buffer of CUDA's or XLA's) steps once.
+STEADY_SAMPLES = 10
 
 
 def draw_orders(rng, count: int, n: int) -> list[list[cc.Case]]:
@@ -82,6 +87,37 @@ def _proc_status() -> dict:
     return out
 
 
+def _nvml_memory(devices) -> list[dict]:
+    """Per GPU from NVML: the bytes used on the whole GPU (``nvml_used_bytes``: every allocation,
+    XLA's pool and ours alike) and by this process where NVML can tell (``nvml_process_bytes``; a
+    container may hide processes); [] where NVML cannot be read."""
+    try:
+        import pynvml as nvml
+
+        from jax_blink.planning.topology import nvml_handles
+
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001  no NVML here: the sample has XLA's numbers only
+        return []
+    try:
+        out = []
+        for h in nvml_handles(nvml, devices):
+            row = {"nvml_used_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).used)}
+            try:
+                mine = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)
+                        if p.pid == os.getpid() and p.usedGpuMemory is not None]
+            except nvml.NVMLError:
+                mine = []
+            if mine:
+                row["nvml_process_bytes"] = int(sum(mine))
+            out.append(row)
+        return out
+    except Exception:  # noqa: BLE001
+        return []
+    finally:
+        nvml.nvmlShutdown()
+
+
 def sample(devices) -> dict:
     """Device, executor and process memory now (numbers in bytes unless a key says KiB)."""
     from jax_blink.lowering import backends
@@ -94,8 +130,11 @@ def sample(devices) -> dict:
             st = {}
         per_device.append({k: int(st[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "num_allocs")
                            if k in st})
-    executor: dict = {}
     platform = devices[0].platform
+    if platform == "gpu":
+        for d, nv in zip(per_device, _nvml_memory(devices)):
+            d.update(nv)
+    executor: dict = {}
     if platform == "gpu" and backends.register("gpu"):
         comms = backends.module("gpu").comms()
         executor = {"communicators": len(comms), "sites": sum(c["num_sites"] for c in comms),
@@ -232,6 +271,8 @@ def _soak(duration, devices, platform, min_bytes, max_bytes, orders, seed) -> di
     start = sample(devices)
     before = None
     steady_iterations = steady_calls = 0
+    trace, next_trace = [], None  # NVML in the steady phase: (seconds, calls, bytes used per GPU)
+    steady_s = (1 - COMPILE_SHARE) * duration
     while True:
         elapsed = time.monotonic() - t0
         if soak.iterations and elapsed >= duration:
@@ -240,6 +281,12 @@ def _soak(duration, devices, platform, min_bytes, max_bytes, orders, seed) -> di
         if not compiling and before is None:
             gc.collect()
             before = sample(devices)
+            next_trace = elapsed
+        if platform == "gpu" and next_trace is not None and elapsed >= next_trace:
+            used = [d.get("nvml_used_bytes") for d in _nvml_memory(devices)]
+            if used and None not in used:
+                trace.append({"s": round(elapsed, 2), "steady_calls": steady_calls, "nvml_used_bytes": used})
+            next_trace += steady_s / STEADY_SAMPLES
         if compiling:
             # The first program at the largest size, so that the top of the range always runs
             # (a 60 s draw on 4 x H200 reached only 64 of 256 MiB); the others drawn.
@@ -268,7 +315,8 @@ def _soak(duration, devices, platform, min_bytes, max_bytes, orders, seed) -> di
         "steady": {"iterations": steady_iterations, "calls": steady_calls},
         "errors": len(soak.errors), "error_details": soak.errors[:20],
         "memory": {"start": start, "before": before, "after": after,
-                   "growth_steady": growth(before, after), "growth_total": growth(start, after)},
+                   "growth_steady": growth(before, after), "growth_total": growth(start, after),
+                   "steady_trace": trace},
     }
 
 
@@ -320,9 +368,23 @@ def main(argv=None) -> int:
     print(f"  calls by collective: {r['calls_by_collective']}")
     print(f"  device memory in use (all devices, XLA): start {_mib(dev(m['start']))}, before {_mib(dev(m['before']))}, "
           f"after {_mib(dev(m['after']))}")
+    for key, what in (("nvml_used_bytes", "used on the GPUs (all devices, NVML: every allocation)"),
+                      ("nvml_process_bytes", "used by this process (all devices, NVML)")):
+        if all(d.get(key) is not None for s in (m["start"], m["before"], m["after"]) for d in s["devices"]):
+            total = lambda s: sum(d[key] for d in s["devices"])  # noqa: E731
+            print(f"  device memory {what}: start {_mib(total(m['start']))}, before {_mib(total(m['before']))}, "
+                  f"after {_mib(total(m['after']))}")
     for name in ("before", "after"):
         s = m[name]
         print(f"  {name}: executor {s['executor']}; process {s['process']}")
+    if m.get("steady_trace"):
+        t = m["steady_trace"]
+        base = t[0]["nvml_used_bytes"]
+        print(f"  device memory used on each GPU (NVML) through the steady phase, MiB above its first sample, "
+              f"at {len(t)} samples (seconds, steady calls): "
+              + "; ".join(f"{x['s']:g} s, {x['steady_calls']}: "
+                          + "/".join(f"{(u - b) / 2**20:+.0f}" for u, b in zip(x["nvml_used_bytes"], base))
+                          for x in t))
     print(f"  growth in the steady phase (after - before): {m['growth_steady']}")
     for e in r["error_details"][:5]:
         print(f"  error: {json.dumps(e)[:500]}")

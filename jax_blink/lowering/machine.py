@@ -71,25 +71,14 @@ def _gpu_links(devices: Sequence[Any]) -> str:
     they differ, ``"pcie"`` without NVLink. Raises where NVML cannot say."""
     import pynvml as nvml
 
-    from jax_blink.planning.topology import _nvml_index_of_ordinal, _nvml_locator, _norm_bus_id
+    from jax_blink.planning.topology import _norm_bus_id, nvml_handles
 
     nvml.nvmlInit()
     try:
-        by_bus = {}
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            by_bus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = h
-        handles = []
-        for d in devices:
-            loc = _nvml_locator(d)
-            if loc.get("pci_bus_id") in by_bus:
-                handles.append(by_bus[loc["pci_bus_id"]])
-            else:
-                import os
-                idx = _nvml_index_of_ordinal(loc["ordinal"], os.environ.get("CUDA_VISIBLE_DEVICES"))
-                handles.append(nvml.nvmlDeviceGetHandleByIndex(idx) if isinstance(idx, int)
-                               else nvml.nvmlDeviceGetHandleByUUID(idx))
+        handles = nvml_handles(nvml, devices)
         rank_of = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): r for r, h in enumerate(handles)}
+        gpus = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(i)).busId)
+                for i in range(nvml.nvmlDeviceGetCount())}  # every GPU, ours or not
         enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
         pairs: dict[tuple[int, int], int] = {}
         into_switch = []
@@ -105,7 +94,7 @@ def _gpu_links(devices: Sequence[Any]) -> str:
                 if remote in rank_of:
                     b = rank_of[remote]
                     pairs[(min(a, b), max(a, b))] = pairs.get((min(a, b), max(a, b)), 0) + 1
-                elif remote not in by_bus:
+                elif remote not in gpus:
                     switch += 1  # not a GPU: an NVSwitch
             into_switch.append(switch)
     finally:

@@ -632,6 +632,35 @@ def _nvml_locator(device: Any) -> dict[str, Any]:
     return loc
 
 
+def nvml_handles(nvml: Any, devices: Sequence[Any]) -> list[Any]:
+    """The NVML handle of each jax GPU device in ``devices`` (``nvml``: the ``pynvml`` module,
+    initialised); see :func:`_nvml_handles_of`."""
+    return _nvml_handles_of(nvml, [_nvml_locator(d) for d in devices],
+                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _nvml_handles_of(nvml: Any, locators: Sequence[Mapping[str, Any]], visible: str | None) -> list[Any]:
+    """The NVML handle of each locator (:func:`_nvml_locator`): by its PCI bus id where it has one,
+    else by its CUDA ordinal through ``visible`` (CUDA_VISIBLE_DEVICES). Raises NVML's errors, or
+    ValueError for a bus id NVML does not list or an ordinal ``visible`` does not."""
+    all_gpus: dict[str, Any] = {}  # every GPU NVML sees: normalised bus id -> handle
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        all_gpus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = h
+    handles = []
+    for loc in locators:
+        if loc.get("pci_bus_id"):
+            bus = _norm_bus_id(loc["pci_bus_id"])
+            if bus not in all_gpus:
+                raise ValueError(f"no GPU with PCI bus id {bus} in NVML: {sorted(all_gpus)}")
+            handles.append(all_gpus[bus])
+            continue
+        idx = _nvml_index_of_ordinal(int(loc["ordinal"]), visible)
+        handles.append(nvml.nvmlDeviceGetHandleByIndex(idx) if isinstance(idx, int)
+                       else nvml.nvmlDeviceGetHandleByUUID(idx))
+    return handles
+
+
 def _nvml_index_of_ordinal(ordinal: int, visible: str | None) -> int | str:
     """Map a CUDA ordinal to an NVML index (int) or a UUID (str) through CUDA_VISIBLE_DEVICES."""
     if not visible:
@@ -659,25 +688,11 @@ def _topology_from_nvml(
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     nvml.nvmlInit()
     try:
-        handles: list[Any] = []
-        by_bus: dict[str, int] = {}  # our GPUs: bus id -> position
-        all_gpus: dict[str, Any] = {}  # every GPU NVML sees: normalised bus id -> handle
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            all_gpus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = h
-        all_gpu_buses = set(all_gpus)
-        for pos, loc in enumerate(locators):
-            if loc.get("pci_bus_id"):
-                bus = _norm_bus_id(loc["pci_bus_id"])
-                if bus not in all_gpus:
-                    raise ValueError(f"no GPU with PCI bus id {bus} in NVML: {sorted(all_gpus)}")
-                h = all_gpus[bus]
-            else:
-                idx = _nvml_index_of_ordinal(int(loc["ordinal"]), visible)
-                h = (nvml.nvmlDeviceGetHandleByIndex(idx) if isinstance(idx, int)
-                     else nvml.nvmlDeviceGetHandleByUUID(idx))
-            handles.append(h)
-            by_bus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = pos
+        handles = _nvml_handles_of(nvml, locators, visible)
+        by_bus = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): pos  # our GPUs: bus id -> position
+                  for pos, h in enumerate(handles)}
+        all_gpu_buses = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(i)).busId)
+                         for i in range(nvml.nvmlDeviceGetCount())}
         n = len(handles)
         max_links = int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))
         enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)

@@ -1,6 +1,6 @@
 """How fast each GPU moves bytes to and from its peers when several peers are served at once (GPUs, CuPy).
 
-    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm,tma] [--out FILE.md]
+    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm,tma,host] [--out FILE.md]
 
 The ceiling that an all-reduce on these links is held against, measured without reductions, flags
 or XLA: every GPU at the same time moves ``--bytes`` to (push) or from (pull) each of k peers, for
@@ -15,6 +15,13 @@ k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order
   or half of them; ``serial`` serves each peer the whole buffer in turn, ``spread`` alternates
   between the peers every 32 KiB per block (JAX_BLINK_TWOSHOT_PUSH). A run's time is the longest of
   the GPUs' kernels, timed by CUDA events around each.
+- ``host``, copy engines between each GPU and pinned host memory (``cudaMemcpyAsync``), what
+  Blink's host transfer would add beside NVLink: device to host, host to device, and both at once
+  (two streams), with 1 .. n GPUs copying at the same time (their host links and the host's memory
+  are shared); then both directions at once beside the copy engines' pushes to all n - 1 peers,
+  each timed by its own streams' events, to see whether either slows the other. Per GPU one
+  pinned buffer each way (``cudaHostAllocPortable``), allocated by one thread (the host's NUMA
+  placement is not chosen).
 - ``tma``, Hopper's bulk copies (``cp.async.bulk``, one thread per block): tiles of 8 KiB loaded
   into shared memory (4 stages) and written from there into the peers (push), on every SM;
   ``serial`` as above, ``spread`` writes each tile to every peer. Timed like ``sm``. Whether bulk
@@ -216,6 +223,23 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
     def pointers(arrays):
         return cp.array([a.data.ptr for a in arrays], dtype=cp.uint64)
 
+    hosts = []  # per GPU: (pinned source of its host-to-device copy, pinned destination of its
+    # device-to-host copy, device destination of the host-to-device copy), numpy views on the host
+    if "host" in engines:
+        import ctypes
+
+        import numpy as np
+
+        def pinned(fill: float):
+            ptr = cp.cuda.runtime.hostAlloc(nbytes, 1)  # cudaHostAllocPortable: pinned for every GPU
+            view = np.ctypeslib.as_array((ctypes.c_float * (nbytes // 4)).from_address(ptr))
+            view[:] = fill
+            return ptr, view
+
+        for g in range(n):
+            with cp.cuda.Device(g):
+                hosts.append((pinned(100 + g), pinned(0), cp.zeros(nbytes // 4, cp.float32)))
+
     kernels, tables, tma = [], [], []
     for g in range(n):
         peers = [(g + i) % n for i in range(1, n)]
@@ -238,6 +262,51 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
         return timed(lambda g, s: kernels[g][direction]((grid,), (512,), (*tables[g][direction], cp.int32(k),
                                                                           cp.int64(nbytes // 16), cp.int32(spread)),
                                                         stream=s))
+
+    def once_host(gpus: int, d2h: bool, h2d: bool, peers: int = 0) -> dict[str, float]:
+        """GPUs 0 .. gpus - 1 copy to and/or from pinned host memory (and push to ``peers`` peers on
+        streams of their own); per kind of copy, the longest time any GPU's streams took, by events."""
+        spans: dict[str, list[tuple]] = {"d2h": [], "h2d": [], "peers": []}
+        for g in range(gpus):
+            with cp.cuda.Device(g):
+                (hsrc, _), (hdst, _), dev = hosts[g]
+                work = []
+                if d2h:
+                    work.append(("d2h", lambda s: cp.cuda.runtime.memcpyAsync(hdst, bufs[g][0].data.ptr, nbytes, 2, s.ptr)))
+                if h2d:
+                    work.append(("h2d", lambda s: cp.cuda.runtime.memcpyAsync(dev.data.ptr, hsrc, nbytes, 1, s.ptr)))
+                for i in range(1, peers + 1):
+                    p = (g + i) % n
+                    work.append(("peers", lambda s, p=p: cp.cuda.runtime.memcpyPeerAsync(
+                        slot(p, g).data.ptr, p, bufs[g][0].data.ptr, g, nbytes, s.ptr)))
+                for (what, go), s in zip(work, streams[g] + host_streams[g]):
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record(s)
+                    go(s)
+                    e1.record(s)
+                    spans[what].append((e0, e1))
+        sync_all()
+        return {what: max(cp.cuda.get_elapsed_time(a, b) for a, b in ev) / 1e3 for what, ev in spans.items() if ev}
+
+    host_streams = [[] for _ in range(n)]
+    if "host" in engines:
+        for g in range(n):
+            with cp.cuda.Device(g):
+                host_streams[g] = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+
+    def check_host(label: str, gpus: int, d2h: bool, h2d: bool):
+        """After a host pattern from zeroed destinations: GPU g's pinned destination holds g + 1 where
+        it copied to the host, its device destination 100 + g where it copied from it; else 0."""
+        for g in range(n):
+            _, (_, hview), dev = hosts[g]
+            want = (g + 1) if d2h and g < gpus else 0
+            if not (hview == want).all():
+                raise SystemExit(f"link_probe.py: {label}: GPU {g}'s pinned copy holds "
+                                 f"{sorted(set(hview[:8].tolist()))}, not only {want}")
+            with cp.cuda.Device(g):
+                want = (100 + g) if h2d and g < gpus else 0
+                if not bool((dev == want).all()):
+                    raise SystemExit(f"link_probe.py: {label}: GPU {g}'s copy from the host does not hold only {want}")
 
     def check(label: str, direction: str, k: int):
         """After a pattern that started from zeroed slots: the slots it fills hold their sender's
@@ -283,11 +352,48 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                     for spread in ((False, True) if k > 1 else (False,)):
                         measure("sm", direction, k, f"{'spread' if spread else 'serial'}, {grid} blocks",
                                 lambda: once_sm(direction, k, grid, spread))
+    if "host" in engines:
+        def measure_host(gpus: int, d2h: bool, h2d: bool, peers: int = 0) -> None:
+            for g in range(n):
+                with cp.cuda.Device(g):
+                    hosts[g][2].fill(0)
+                    bufs[g][1].fill(0)
+                hosts[g][1][1][:] = 0
+            sync_all()
+            once_host(gpus, d2h, h2d, peers)  # warm-up
+            runs_ = [once_host(gpus, d2h, h2d, peers) for _ in range(runs)]
+            way = "both ways" if d2h and h2d else ("device to host" if d2h else ("host to device" if h2d else "none"))
+            label = f"host {way}, {gpus} GPU(s) at once" + (f", beside pushes to {peers} peers" if peers else "")
+            check_host(label, gpus, d2h, h2d)
+            if peers:
+                check(label, "push", peers)
+            for what in ("d2h", "h2d", "peers"):
+                if what in runs_[0]:
+                    times = [r[what] for r in runs_]
+                    k = peers if what == "peers" else 1
+                    if what == "peers":
+                        how = f"{gpus} GPU(s) at once, " + ("beside host copies both ways" if d2h and h2d
+                                                            else "no host copies, timed like the row beside them")
+                    else:
+                        how = (f"{gpus} GPU(s) at once" + (", both ways" if d2h and h2d else "")
+                               + (f", beside pushes to {peers} peers" if peers else ""))
+                    rows.append(_row("host" if what != "peers" else "ce", what if what != "peers" else "push",
+                                     k, how, times, nbytes))
+
+        for gpus in range(1, n + 1):
+            measure_host(gpus, True, False)
+            measure_host(gpus, False, True)
+            measure_host(gpus, True, True)
+        measure_host(n, False, False, peers=n - 1)  # the pushes alone, timed the same way
+        measure_host(n, True, True, peers=n - 1)
     if "tma" in engines:
         for k in range(1, n):
             for spread in ((False, True) if k > 1 else (False,)):
                 measure("tma", "push", k, f"{'spread' if spread else 'serial'}, {sms} blocks, tiles of 8 KiB",
                         lambda: once_tma(k, spread))
+    for (hsrc, _), (hdst, _), _ in hosts:
+        cp.cuda.runtime.freeHost(hsrc)
+        cp.cuda.runtime.freeHost(hdst)
     return rows, n, kind
 
 
@@ -299,14 +405,15 @@ def main(argv=None) -> int:
     ap.add_argument("--bytes", default=256 << 20, type=cli.byte_count, help="bytes per peer (default 256M)")
     ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=10, help="timed runs per pattern")
     ap.add_argument("--engines", default="ce,sm,tma",
-                    help="comma-separated: ce (copy engines), sm (a kernel's loads and stores), tma (bulk copies)")
+                    help="comma-separated: ce (copy engines), sm (a kernel's loads and stores), tma (bulk copies), "
+                         "host (copy engines to and from pinned host memory)")
     ap.add_argument("--out", help="write the table to this Markdown file")
     args = ap.parse_args(argv)
     if args.bytes < 4096 or args.bytes % 16:
         ap.error(f"--bytes: got {args.bytes}; takes at least 4K, a multiple of 16")
     engines = [e.strip().lower() for e in args.engines.split(",") if e.strip()]
-    if not engines or set(engines) - {"ce", "sm", "tma"}:
-        ap.error(f"--engines: got {args.engines!r}; takes ce, sm and tma, comma-separated")
+    if not engines or set(engines) - {"ce", "sm", "tma", "host"}:
+        ap.error(f"--engines: got {args.engines!r}; takes ce, sm, tma and host, comma-separated")
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -102,7 +102,20 @@ class _FakeCupy:
         self.array = lambda values, dtype: wrap(np.array(values, dtype))
         self.unique = lambda a: wrap(np.unique(a))
         self.RawModule = lambda code, options=(): types.SimpleNamespace(get_function=function)
+        pinned = {}
+
+        def host_alloc(nbytes, flags):
+            buf = ctypes.create_string_buffer(nbytes)
+            pinned[ctypes.addressof(buf)] = buf
+            return ctypes.addressof(buf)
+
+        def memcpy(dst, src, nbytes, kind, stream):
+            if {1: "h2d", 2: "d2h"}[kind] != broken:
+                move(dst, src, nbytes)
+
+        self.pinned = pinned
         runtime = types.SimpleNamespace(
+            hostAlloc=host_alloc, freeHost=lambda ptr: pinned.pop(ptr), memcpyAsync=memcpy,
             getDeviceCount=lambda: n, CUDARuntimeError=RuntimeError,
             getDeviceProperties=lambda g: {"name": b"Fake GPU", "multiProcessorCount": 4},
             deviceEnablePeerAccess=lambda p: None, deviceSynchronize=lambda: None,
@@ -130,3 +143,29 @@ def test_an_engine_whose_bytes_do_not_land_is_named(monkeypatch, broken, engine)
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3, broken=broken))
     with pytest.raises(SystemExit, match=f"{engine} (push|pull) k=1 .*: GPU 0's slot for GPU [12] holds \\[0.0\\]"):
         link_probe.run(64 << 10, 1, ["sm", "tma"])
+
+
+def test_host_copies_beside_the_peers_are_timed_and_checked(monkeypatch):
+    """The host engine: each direction and both, with 1 .. n GPUs at once, then both beside pushes
+    to every peer (a row for each kind of copy); the pinned buffers are freed at the end."""
+    fake = _FakeCupy(3)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    rows, n, _ = link_probe.run(64 << 10, 2, ["host"])
+    hows = [(r["engine"], r["direction"], r["peers"], r["how"]) for r in rows]
+    for gpus in (1, 2, 3):
+        assert ("host", "d2h", 1, f"{gpus} GPU(s) at once") in hows
+        assert ("host", "h2d", 1, f"{gpus} GPU(s) at once") in hows
+        assert ("host", "d2h", 1, f"{gpus} GPU(s) at once, both ways") in hows
+    assert ("host", "h2d", 1, "3 GPU(s) at once, both ways, beside pushes to 2 peers") in hows
+    assert ("ce", "push", 2, "3 GPU(s) at once, beside host copies both ways") in hows
+    assert ("ce", "push", 2, "3 GPU(s) at once, no host copies, timed like the row beside them") in hows
+    assert len(rows) == 3 * 4 + 1 + 3 and all(r["gbps"] > 0 for r in rows)
+    assert not fake.pinned
+
+
+@pytest.mark.parametrize("broken,says", [("d2h", "GPU 0's pinned copy holds \\[0.0\\], not only 1"),
+                                         ("h2d", "GPU 0's copy from the host does not hold only 100")])
+def test_a_host_copy_that_does_not_land_is_named(monkeypatch, broken, says):
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(2, broken=broken))
+    with pytest.raises(SystemExit, match=says):
+        link_probe.run(64 << 10, 1, ["host"])

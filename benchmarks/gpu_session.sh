@@ -25,7 +25,8 @@
 # engines' all-reduce against the executor and psum, 1 min on 4 x H200; CESWEEP_ARGS adds arguments,
 # e.g. "--sizes 64M,1G --profile $OUT/cesweep-profile": a trace per variant and how its copies ran); linkprobe runs
 # benchmarks/link_probe.py (peer copies, a kernel's peer stores and loads, bulk copies, alone, 1 to n - 1
-# peers at once; needs CuPy, no build).
+# peers at once; copies with pinned host memory, 1 to n GPUs at once and beside the peer pushes;
+# LINKPROBE_ENGINES picks, default ce,sm,tma,host; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto
@@ -204,9 +205,10 @@ PY
       log cesweep
       timeout -k 5 170 python3 benchmarks/ce_sweep.py --out "$OUT/cesweep" ${CESWEEP_ARGS:-} > "$OUT/cesweep.log" 2>&1
       echo "cesweep rc=$?" | tee -a "$OUT/session.log"; grep -v "^|" "$OUT/cesweep.log" | tail -22 ;;
-    linkprobe)  # issue 27: peer copies and stores alone, 1 to n - 1 peers per GPU at once
+    linkprobe)  # issue 27: peer copies and stores alone, 1 to n - 1 peers per GPU at once; pinned host copies
       log linkprobe
-      timeout -k 5 120 python3 benchmarks/link_probe.py --out "$OUT/link-probe.md" > "$OUT/linkprobe.log" 2>&1
+      timeout -k 5 160 python3 benchmarks/link_probe.py --engines "${LINKPROBE_ENGINES:-ce,sm,tma,host}" \
+        --out "$OUT/link-probe.md" > "$OUT/linkprobe.log" 2>&1
       echo "linkprobe rc=$?" | tee -a "$OUT/session.log"; tail -14 "$OUT/linkprobe.log" ;;
     bench)
       log bench

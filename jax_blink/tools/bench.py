@@ -43,7 +43,7 @@ from jax_blink.tools import arguments as _cli
 from jax_blink.tools import autotune
 from jax_blink.tools.timing import (COLLECTIVES, Collective, chained, check_against_lax as _check,  # noqa: F401
                                     interleaved_times,
-                                    median_time, spread)
+                                    median_time, runs_executor, spread)
 from jax_blink.lowering.machine import links_here, nccl_version
 from jax_blink.options.settings import config, parse_byte_count
 from jax_blink.planning.schedule import DEFAULT_CHUNK_BYTES
@@ -55,8 +55,6 @@ PROG = "python -m jax_blink.tools.bench"
 #: What ``--dispatch`` takes: ``blink`` times the executor itself (what entries are derived from),
 #: ``auto`` what ``dispatch="auto"`` runs on this machine.
 DISPATCH_MODES = ("blink", "auto")
-#: The custom call's name in a compiled program: present exactly where jax_blink's executor runs.
-CUSTOM_CALL = "jax_blink_collective"
 
 
 def run_machine(devices) -> dict:
@@ -189,7 +187,7 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                 host = rng.standard_normal((n * count,), dtype=np.float32)
             x = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
             wrong = _check(coll, mesh, "x", x)
-            path = ("executor" if CUSTOM_CALL in ours_fn.lower(x).as_text() else "lax") if auto else "executor"
+            path = ("executor" if runs_executor(ours_fn, x) else "lax") if auto else "executor"
             # Ours and lax (and the K2-call programs) take turns, run by run: see interleaved_times.
             fns = [ours_fn, psum_fn] + ([ours2_fn, psum2_fn] if slope_k else [])
             timed = interleaved_times(fns, x, runs, min_seconds)

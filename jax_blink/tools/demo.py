@@ -20,8 +20,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-#: The custom call's name in a compiled program: present exactly where jax_blink's executor runs.
-CUSTOM_CALL = "jax_blink_collective"
 #: Sizes (bytes per rank) the demo times by default: where the CPU executor wins (<= 16K) and
 #: where the dispatch table sends all-reduces to lax.psum (64K, 1M on 8 CPU host devices).
 DEFAULT_SIZES = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
@@ -82,11 +80,6 @@ def _np_dtype(dtype: str):
     import jax.numpy as jnp
 
     return jnp.dtype(dtype)
-
-
-def runs_executor(fn: Callable, x) -> bool:
-    """Whether the compiled program of ``fn(x)`` holds jax_blink's custom call (the executor runs)."""
-    return CUSTOM_CALL in fn.lower(x).as_text()
 
 
 # ------------------------------------------------------------------------------ 1. the paper
@@ -192,7 +185,7 @@ def check_lines(mesh, axis: str, dtype: str) -> tuple[list[str], bool]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jax_blink.options.settings import override
-    from jax_blink.tools.timing import COLLECTIVES, TOLERANCE
+    from jax_blink.tools.timing import COLLECTIVES, TOLERANCE, runs_executor
 
     n = mesh.shape[axis]
     itemsize = jnp.dtype(dtype).itemsize
@@ -267,7 +260,7 @@ def timing_lines(mesh, axis: str, sizes: Sequence[int], dtype: str, runs: int = 
     from jax_blink.lowering.decision import choice, dispatch
     from jax_blink.lowering.mesh import device_kind
     from jax_blink.options.settings import config
-    from jax_blink.tools.timing import interleaved_times
+    from jax_blink.tools.timing import interleaved_times, runs_executor
 
     devices = mesh.devices.reshape(-1)
     n = len(devices)

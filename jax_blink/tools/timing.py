@@ -55,6 +55,14 @@ def interleaved_times(fns: list, x, runs: int, min_seconds: float = 0.0,
     return times
 
 
+def runs_executor(fn: Callable, x) -> bool:
+    """Whether the compiled program of ``fn(x)`` holds jax_blink's custom call (the executor runs
+    it, in one process or through CUDA IPC), rather than XLA's own collective."""
+    from jax_blink.lowering.backends import TARGET  # every executor target's name starts with it
+
+    return TARGET in fn.lower(x).as_text()
+
+
 def run_times(fn, x, runs: int) -> list[float]:
     """Wall times of ``runs`` runs of ``fn(x)``, after compiling and one warm-up run."""
     return interleaved_times([fn], x, runs)[0]

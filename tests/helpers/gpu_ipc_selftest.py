@@ -201,7 +201,6 @@ def _time_against_lax(mesh, lax_too: bool, dispatch: str = "blink") -> list[dict
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_blink
-    from jax_blink.lowering import backends as _backends
     from jax_blink.tools import timing
 
     k, rows = 20, []
@@ -218,7 +217,7 @@ def _time_against_lax(mesh, lax_too: bool, dispatch: str = "blink") -> list[dict
         fns = [ours, lax_] if lax_too else [ours]
         times = timing.interleaved_times(fns, x, runs)
         us = lambda t: round(statistics.median(t) / k * 1e6, 2)
-        path = "executor" if _backends.TARGET_IPC in ours.lower(x).as_text() else "lax"
+        path = "executor" if timing.runs_executor(ours, x) else "lax"
         row = {"bytes_per_rank": nbytes, "ours_us": us(times[0]), "dispatch": dispatch, "path": path}
         if lax_too:
             row["lax_us"] = us(times[1])

@@ -336,7 +336,8 @@ def test_demo_times_the_path_it_prints(dispatch, capsys):
     jax_blink's custom call exactly where a row says the executor, whichever way dispatch goes."""
     from jax_blink.lowering.dispatch_table import prefer_lax
     from jax_blink.options.settings import override
-    from jax_blink.tools.demo import runs_executor, timed_programs, timing_lines
+    from jax_blink.tools.demo import timed_programs, timing_lines
+    from jax_blink.tools.timing import runs_executor
 
     if jax.device_count() < 2:
         pytest.skip("one device: the demo times nothing")

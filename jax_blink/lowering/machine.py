@@ -71,14 +71,13 @@ def _gpu_links(devices: Sequence[Any]) -> str:
     they differ, ``"pcie"`` without NVLink. Raises where NVML cannot say."""
     import pynvml as nvml
 
-    from jax_blink.planning.topology import _norm_bus_id, nvml_handles
+    from jax_blink.planning.topology import _norm_bus_id, nvml_gpus, nvml_handles
 
     nvml.nvmlInit()
     try:
-        handles = nvml_handles(nvml, devices)
+        gpus = nvml_gpus(nvml)  # every GPU, ours or not
+        handles = nvml_handles(nvml, devices, gpus)
         rank_of = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): r for r, h in enumerate(handles)}
-        gpus = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(i)).busId)
-                for i in range(nvml.nvmlDeviceGetCount())}  # every GPU, ours or not
         enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
         pairs: dict[tuple[int, int], int] = {}
         into_switch = []

@@ -632,21 +632,26 @@ def _nvml_locator(device: Any) -> dict[str, Any]:
     return loc
 
 
-def nvml_handles(nvml: Any, devices: Sequence[Any]) -> list[Any]:
+def nvml_handles(nvml: Any, devices: Sequence[Any], all_gpus: Mapping[str, Any] | None = None) -> list[Any]:
     """The NVML handle of each jax GPU device in ``devices`` (``nvml``: the ``pynvml`` module,
     initialised); see :func:`_nvml_handles_of`."""
     return _nvml_handles_of(nvml, [_nvml_locator(d) for d in devices],
-                            os.environ.get("CUDA_VISIBLE_DEVICES"))
+                            os.environ.get("CUDA_VISIBLE_DEVICES"), all_gpus)
 
 
-def _nvml_handles_of(nvml: Any, locators: Sequence[Mapping[str, Any]], visible: str | None) -> list[Any]:
+def nvml_gpus(nvml: Any) -> dict[str, Any]:
+    """Every GPU NVML sees (``nvml`` initialised): its normalised PCI bus id -> its handle."""
+    return {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): h
+            for h in (nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount()))}
+
+
+def _nvml_handles_of(nvml: Any, locators: Sequence[Mapping[str, Any]], visible: str | None,
+                     all_gpus: Mapping[str, Any] | None = None) -> list[Any]:
     """The NVML handle of each locator (:func:`_nvml_locator`): by its PCI bus id where it has one,
-    else by its CUDA ordinal through ``visible`` (CUDA_VISIBLE_DEVICES). Raises NVML's errors, or
-    ValueError for a bus id NVML does not list or an ordinal ``visible`` does not."""
-    all_gpus: dict[str, Any] = {}  # every GPU NVML sees: normalised bus id -> handle
-    for i in range(nvml.nvmlDeviceGetCount()):
-        h = nvml.nvmlDeviceGetHandleByIndex(i)
-        all_gpus[_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId)] = h
+    else by its CUDA ordinal through ``visible`` (CUDA_VISIBLE_DEVICES); ``all_gpus``:
+    :func:`nvml_gpus`, read here if not given. Raises NVML's errors, or ValueError for a bus id
+    NVML does not list or an ordinal ``visible`` does not."""
+    all_gpus = nvml_gpus(nvml) if all_gpus is None else all_gpus
     handles = []
     for loc in locators:
         if loc.get("pci_bus_id"):
@@ -688,11 +693,10 @@ def _topology_from_nvml(
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     nvml.nvmlInit()
     try:
-        handles = _nvml_handles_of(nvml, locators, visible)
+        all_gpu_buses = nvml_gpus(nvml)
+        handles = _nvml_handles_of(nvml, locators, visible, all_gpu_buses)
         by_bus = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): pos  # our GPUs: bus id -> position
                   for pos, h in enumerate(handles)}
-        all_gpu_buses = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(i)).busId)
-                         for i in range(nvml.nvmlDeviceGetCount())}
         n = len(handles)
         max_links = int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))
         enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)

@@ -141,23 +141,19 @@ def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    events = trace["traceEvents"]
     names = process_names(trace)
+    spans = list(gpu_spans(trace, names))
     gpus = sorted((pid for pid, n in names.items() if "/device:GPU" in n), key=lambda p: names[p]) or \
-        sorted({e.get("pid") for e in events if e.get("ph") == "X"}, key=str)
-    spans = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpus]
-    t0 = min((float(e["ts"]) for e in spans), default=0.0)
+        sorted({pid for pid, *_ in spans}, key=str)  # an idle GPU keeps its row
+    t0 = min((a for _, _, (a, _), _ in spans), default=0.0)
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(gpus)))
-    for row, pid in enumerate(gpus):
-        for e in spans:
-            if e.get("pid") != pid:
-                continue
-            name = str(e.get("name", ""))
-            mine = bool(ours.search(name))
-            if not mine and NOT_COMPUTE.search(name):
-                continue
-            ax.broken_barh([((float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3)],
-                           (row + (0.45 if mine else 0.0), 0.4), color="tab:red" if mine else "0.6")
+    row_of = {pid: row for row, pid in enumerate(gpus)}
+    for pid, name, (a, b), _ in spans:
+        mine = bool(ours.search(name))
+        if not mine and NOT_COMPUTE.search(name):
+            continue
+        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3)],
+                       (row_of[pid] + (0.45 if mine else 0.0), 0.4), color="tab:red" if mine else "0.6")
     ax.set_yticks([r + 0.4 for r in range(len(gpus))], [names.get(p, str(p)) for p in gpus])
     ax.set_xlabel("ms since the first kernel (measured, jax.profiler)")
     ax.set_title(title or "GPU kernels: compute (grey), jax_blink (red)")

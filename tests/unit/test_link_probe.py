@@ -2,6 +2,7 @@
 sizes and a machine without CuPy or GPUs with what it needs instead of a traceback."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -78,16 +79,6 @@ class _FakeCupy:
                         move(dsts[d], srcs[d], int(nvec) * 16)
             return launch
 
-        class Device:
-            def __init__(self, g):
-                pass
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
         class Event:
             clock = 0.0
 
@@ -120,7 +111,7 @@ class _FakeCupy:
             getDeviceProperties=lambda g: {"name": b"Fake GPU", "multiProcessorCount": 4},
             deviceEnablePeerAccess=lambda p: None, deviceSynchronize=lambda: None,
             memcpyPeerAsync=lambda dst, ddev, src, sdev, nbytes, stream: move(dst, src, nbytes))
-        self.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Event=Event,
+        self.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda g: contextlib.nullcontext(), Event=Event,
                                           Stream=lambda non_blocking=True: types.SimpleNamespace(ptr=0),
                                           get_elapsed_time=lambda e0, e1: e1.t - e0.t)
 

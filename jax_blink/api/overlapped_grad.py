@@ -33,12 +33,15 @@ from jax_blink.lowering import jaxpr_steps
 from jax_blink.lowering.mesh import AxisName
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
+#: What ``value_and_grad_overlapped(hold=...)`` takes.
+HOLDS = ("recent", "all")
+
 
 def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: int | Sequence[int] = 0,
                               has_aux: bool = False, reduce_aux: bool = False,
                               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                               first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
-                              **kwargs) -> Callable:
+                              hold: str = "recent", **kwargs) -> Callable:
     """``jax.value_and_grad(fun)`` whose gradients come summed over ``axis_name``, each bucket's
     all-reduce started inside the backward pass as soon as its gradients exist.
 
@@ -54,12 +57,18 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             axis, in the first buckets (they exist before the backward pass starts).
         bucket_bytes: DDP's bucket cap (default 25 MiB).
         first_bucket_bytes: The first bucket's cap (default 1 MiB).
+        hold: Which values wait for each start (pass through its ``optimization_barrier``):
+            ``"recent"`` (default), those the backward pass made since the previous start and
+            that later steps read; ``"all"``, every value the rest of the program reads (the
+            form measured before 2026-11-28, which changes XLA's fusions of the forward pass).
         **kwargs: Passed to :func:`jax_blink.all_reduce_start` (``topology``, ``method``).
 
     Returns:
         A function of ``fun``'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
         with ``has_aux``), the gradients (and with ``reduce_aux`` the aux leaves) summed.
     """
+    if hold not in HOLDS:
+        raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):
@@ -73,16 +82,21 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
                 for i in reduced]
         order = _buckets.ready_order(program, [program.out_keys[i] for i in reduced])
         layout = _buckets.BucketLayout.of(tree, bucket_bytes, first_bucket_bytes, order=order)
-        flat = _run_with_starts(program, jax.tree.leaves(args), reduced, layout, axis_name, kwargs)
+        # The backward pass begins, for the barriers, at the first gradient it makes.
+        backward = min((program.made(program.out_keys[i]) for i in range(n_value, len(program.out_keys))),
+                       default=len(program.steps))
+        flat = _run_with_starts(program, jax.tree.leaves(args), reduced, layout, axis_name, kwargs,
+                                hold=hold, backward=backward)
         return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
     return run
 
 
 def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list[int], layout,
-                     axis_name, kwargs) -> list:
+                     axis_name, kwargs, *, hold: str, backward: int) -> list:
     """Run the flattened program, starting each bucket after the step that completes it (see the
-    module's docstring); the program's outputs with the reduced ones summed."""
+    module's docstring); the program's outputs with the reduced ones summed. ``backward``: the step
+    that makes the first gradient."""
     leaf_keys = [program.out_keys[i] for i in reduced]
     due: dict[int, list[int]] = {}  # step index -> the buckets it completes (-1: before any step)
     for b, bucket in enumerate(layout.buckets):
@@ -93,23 +107,28 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     kept = set(values)  # inputs and constants: never freed
     handles: list = [None] * len(layout.buckets)
     started: list = []
+    since = [backward - 1]  # hold="recent": values made after this step are the recent ones
 
     def read(k):
         return k.value if isinstance(k, jaxpr_steps.Lit) else values[k]
 
     def start_due(i: int) -> None:
+        held_at = None
         for b in due.get(i, ()):
             bucket = layout.buckets[b]
             buf = bucket.pack({s.leaf: read(leaf_keys[s.leaf]) for s in bucket.slots})
             h = handles[b] = _buckets.start_in_order(buf, started, axis_name, full_grid=b == last_bucket, **kwargs)
-            # Everything still needed waits for the start: the rest of the backward pass cannot
-            # run before it, and the start cannot sink to the end of the step. Not for a start that
+            # What `hold` names waits for the start: the rest of the backward pass cannot run
+            # before it, and the start cannot sink to the end of the step. Not for a start that
             # became XLA's own all-reduce (the dispatch table's lax sizes): XLA's scheduler places
             # and overlaps those itself, and the barriers cost its GPT-2 step 2.6% (4 x H200).
-            live = [k for k, last in program.last_use.items() if last > i and k in values] if h.site is not None else []
+            live = _held(program, values, i, hold, since[0], backward) if h.site is not None else []
             if live:
                 tied = lax.optimization_barrier((h.passed, [values[k] for k in live]))
                 values.update(zip(live, tied[1]))
+                held_at = i
+        if held_at is not None:  # buckets due at one step all hold the same recent values
+            since[0] = held_at
 
     start_due(-1)
     for i, step in enumerate(program.steps):
@@ -123,3 +142,16 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     for j, i in enumerate(reduced):
         result[i] = unpacked[j]
     return result
+
+
+def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int) -> list:
+    """The keys that wait for a start made after step ``i``: those a later step reads and, for
+    ``hold="recent"``, made after step ``since`` (else after the first gradient's step; none
+    before the backward pass, where a start has no pass to hold back)."""
+    live = [k for k, last in program.last_use.items() if last > i and k in values]
+    if hold == "all":
+        return live
+    if i < backward:
+        return []
+    recent = [k for k in live if program.made(k) > since]
+    return recent or [k for k in live if program.made(k) >= backward]

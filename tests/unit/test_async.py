@@ -217,20 +217,22 @@ def _overlapped_step(params, xs, which, **kw):
     return f(params, xs)
 
 
-@pytest.mark.parametrize("bucket_bytes", [1000, 1 << 20])
-def test_value_and_grad_overlapped_equals_psum(bucket_bytes):
+@pytest.mark.parametrize("bucket_bytes, hold", [(1000, "recent"), (1000, "all"), (1 << 20, "recent")])
+def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold):
     """The overlapped gradients (several buckets, a tied embedding, a nested jit inlined, aux
     summed) equal value_and_grad + psum on fresh random data; the loss is each device's own."""
     params = _mlp_params(7)
     xs = _sharded(np.random.default_rng(8).integers(0, 50, (N, 6)).astype(np.int32))
     with override(dispatch="blink"):
-        got = _overlapped_step(params, xs, "blink", bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes)
+        got = _overlapped_step(params, xs, "blink", bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes,
+                               hold=hold)
     want = _overlapped_step(params, xs, "psum")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
 
 
-def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
+@pytest.mark.parametrize("hold", ["recent", "all"])
+def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch, hold):
     """On the GPU form (lowered as text here), each bucket's start comes before the backward pass
     of the layers below it (an optimization_barrier holds the rest of the program after it), and
     every done comes after the last start."""
@@ -243,8 +245,8 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
     @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
     def f(params, xs):
         fn = jax.jit(lambda p, x: _mlp_loss(p, x)[0])  # a nested jit: inlined, starts land inside
-        return jax_blink.value_and_grad_overlapped(fn, "data", bucket_bytes=1024, first_bucket_bytes=1024)(
-            params, xs[0])[1]
+        return jax_blink.value_and_grad_overlapped(fn, "data", bucket_bytes=1024, first_bucket_bytes=1024,
+                                                   hold=hold)(params, xs[0])[1]
 
     with override(dispatch="blink"):
         text = f.lower(params, xs).as_text()
@@ -258,6 +260,61 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch):
     # A barrier after every start but the last, and backward matrix products after the first start.
     assert sum(1 for s in starts[:-1] if any(s < b < s + 40 for b in barriers)) == len(starts) - 1
     assert any(starts[0] < d < starts[-1] for d in dots)
+    # Each barrier passes the start's output and at least one value of the rest of the pass.
+    assert all(_barrier_operands(lines[b]) >= 2 for b in barriers), text
+
+
+def _barrier_operands(line: str) -> int:
+    """How many values one StableHLO optimization_barrier line passes through."""
+    return len(re.findall(r"%[\w#]+", line.split("=", 1)[1].split(":", 1)[0]))
+
+
+def test_value_and_grad_overlapped_recent_holds_only_backward_values(monkeypatch):
+    """hold="recent" passes through each barrier only values made since the previous start in the
+    backward pass, never the forward pass's values, which hold="all" passes through every barrier
+    (GPT-2 on GPUs: XLA then materialises them instead of fusing them into their readers)."""
+    from jax_blink.api import overlapped_grad
+    from jax_blink.lowering import jaxpr_steps
+    monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
+    seen = []
+    real = overlapped_grad._held
+
+    def spy(program, values, i, hold, since, backward):
+        keys = real(program, values, i, hold, since, backward)
+        seen.append((hold, i, since, backward, keys, program))
+        return keys
+
+    monkeypatch.setattr(overlapped_grad, "_held", spy)
+    params = _mlp_params(21)
+    xs = _sharded(np.random.default_rng(22).integers(0, 50, (N, 6)).astype(np.int32))
+    for hold in ("recent", "all"):
+        mesh = _mesh()
+
+        @jax.jit
+        @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+        def f(params, xs):
+            return jax_blink.value_and_grad_overlapped(_mlp_loss, "data", has_aux=True, reduce_aux=True,
+                                                       bucket_bytes=1024, first_bucket_bytes=1024,
+                                                       hold=hold)(params, xs[0])[1]
+
+        with override(dispatch="blink"):
+            f.lower(params, xs)
+    recent = [s for s in seen if s[0] == "recent"]
+    everything = [s for s in seen if s[0] == "all"]
+    assert len(recent) == len(everything) >= 4
+    program = recent[0][5]
+    for (_, i, since, backward, keys, _), (_, _, _, _, all_keys, _) in zip(recent, everything):
+        if i < backward:  # the aux statistics' start, in the forward pass: nothing held back
+            assert keys == [] and all_keys
+            continue
+        assert keys and set(keys) < set(all_keys)
+        assert all(since < program.made(k) <= i for k in keys), (i, since)
+        assert any(program.made(k) < backward for k in all_keys)  # the forward pass's values too
+
+
+def test_value_and_grad_overlapped_rejects_an_unknown_hold():
+    with pytest.raises(ValueError, match="hold must be one of"):
+        jax_blink.value_and_grad_overlapped(_mlp_loss, "data", hold="some")
 
 
 def test_value_and_grad_overlapped_leaves_lax_buckets_to_xla(monkeypatch):

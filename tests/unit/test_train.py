@@ -188,11 +188,29 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     (["--model", "gpt2", "--first-bucket-mb", "30"], "--first-bucket-mb"),
     (["--steps", "3"], "--model"),
     (["--model", "gpt2", "--stream", "1"], "--stream"),  # CPU host devices: no streams
+    (["--model", "gpt2", "--hold", "some"], "--hold"),
+    (["--model", "gpt2", "--collective", "switch", "--hold", "all"], "--hold"),
 ])
 def test_cli_bad_flags_are_usage_errors(argv, flag, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_cli_times_both_holds_of_the_overlapped_step(tmp_path, capsys):
+    """--hold both times the overlapped step with each hold beside psum, the synchronous calls and
+    the step without all-reduce, each with a jax_blink call per bucket."""
+    rc = cli.main(["--model", "gpt2", "--collective", "overlap", "--hold", "both", "--steps", "2", "--layers", "1",
+                   "--width", "16", "--timing-runs", "1", "--bucket-mb", "0.01", "--first-bucket-mb", "0.002",
+                   "--quick-compile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "jax_blink overlapped (hold recent)" in out and "overlapped (hold all)" in out, out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-overlap-cpu-x8-*.json")]
+    assert record["hold"] == "both"
+    assert list(record["timing"]["modes"]) == ["psum", "blink", "overlap", "overlap-all", "none"]
+    for m in ("overlap", "overlap-all"):
+        assert record["timing"]["modes"][m]["jax_blink_calls"] == len(record["buckets"]) > 1
 
 
 def test_gpt2_example_trains(capsys):

@@ -108,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", default="blink", choices=("blink", "auto"),
                    help="jax_blink's dispatch while the step is traced: blink (default) always runs the "
                         "executor; auto sends sizes where psum was measured faster to psum")
+    p.add_argument("--hold", default="recent", choices=("recent", "all", "both"),
+                   help="which values wait for each overlapped start (value_and_grad_overlapped's hold): "
+                        "recent (default), all, or both (times the two overlapped steps side by side)")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
     p.add_argument("--stream", type=_positive_int("--stream"),
@@ -134,6 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, field) is not None and args.model not in models:
             flag = "--" + field.replace("_", "-")
             raise UsageError(f"{flag} does not apply to --model {args.model} (it shapes {' and '.join(models)})")
+    if args.hold != "recent" and args.collective == "switch":
+        raise UsageError(f"--hold {args.hold} shapes the overlapped step, which --collective switch does not time "
+                         "(use --collective blink, psum or overlap)")
     if args.timing_runs < 0:
         raise UsageError(f"--timing-runs must be >= 0, got {args.timing_runs}")
     if args.first_bucket_mb > args.bucket_mb:
@@ -283,14 +289,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(dp.layout.explain(default_topology(n, "gpu" if devices[0].platform in ("gpu", "cuda") else devices[0].platform)))
     if n == 1:
         say("one device: every all-reduce is the identity (nothing to sum across); jax_blink returns its input")
-    state, losses = dp.run(args.collective, args.steps, lambda i, loss: say(f"step {i} loss {loss:.6f}"))
+    first = {"overlap": "overlap-all" if args.hold == "all" else "overlap"}.get(args.collective, args.collective)
+    state, losses = dp.run(first, args.steps, lambda i, loss: say(f"step {i} loss {loss:.6f}"))
     if not all(np.isfinite(losses)):
         say("loss is not finite")
         return 1
 
     record = {"argv": list(argv if argv is not None else sys.argv[1:]), "model": args.model, "size": args.size,
               "config": dataclasses.asdict(cfg), "parameters": dp.param_count, "collective": args.collective,
-              "dispatch": args.dispatch, "quick_compile": args.quick_compile, "stream": args.stream, "devices": n, "device_kind": kind, "platform": devices[0].platform,
+              "dispatch": args.dispatch, "hold": args.hold, "quick_compile": args.quick_compile, "stream": args.stream, "devices": n, "device_kind": kind, "platform": devices[0].platform,
               "jax": jax.__version__, "environment": run_env, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
@@ -298,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # psum, the mode asked for, no all-reduce; jax_blink's synchronous and overlapped steps side
         # by side when either of them is asked for.
         ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
-        modes = ["psum", ours] + (["overlap"] if ours == "blink" else []) + ["none"]
+        overlapped = {"recent": ["overlap"], "all": ["overlap-all"], "both": ["overlap", "overlap-all"]}[args.hold]
+        modes = ["psum", ours] + (overlapped if ours == "blink" else []) + ["none"]
         times = time_steps(dp, modes, state, args.timing_runs)
         med = {m: statistics.median(t) for m, t in times.items()}
         say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
@@ -308,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             share = (med[m] - med["none"]) / med[m]
             counted = dp.collectives_in(m)
             label = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
-                     "overlap": "jax_blink overlapped", "switch": "psum under the switch",
+                     "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
+                     "overlap-all": "overlapped (hold all)", "switch": "psum under the switch",
                      "none": "no all-reduce"}[m]
             if m == "none":
                 tail = ""

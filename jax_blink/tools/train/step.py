@@ -9,6 +9,7 @@ The collective that sums a bucket is the only thing that changes between the mod
 - ``overlap``: ``jax_blink.value_and_grad_overlapped``: each bucket's all-reduce started inside
   the backward pass right after its gradients exist (the rest of the pass held behind the start),
   all awaited after the last start; on GPUs the all-reduces run on a side stream;
+  ``overlap-all`` is the same with every live value held behind each start (``hold="all"``);
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
@@ -39,7 +40,9 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "switch", "none")
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "none")
+#: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 
 
 def build_loss(model: str):
@@ -75,7 +78,7 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
         return lambda buf: all_reduce(buf, axis)
     if mode == "none":
         return lambda buf: buf
-    if mode == "overlap":  # step_fn sums the buckets itself (start / done pairs)
+    if mode in OVERLAP_HOLD:  # step_fn sums the buckets itself (start / done pairs)
         return lambda buf: all_reduce(buf, axis)
     raise ValueError(f"unknown collective mode {mode!r}; one of {MODES}")
 
@@ -183,10 +186,10 @@ class DataParallel:
                 loss = loss_fn(model, batch)
                 return loss, nnx.state(model, nnx.BatchStat)
 
-            if mode == "overlap":  # each bucket started inside the backward pass (DDP's overlap)
+            if mode in OVERLAP_HOLD:  # each bucket started inside the backward pass (DDP's overlap)
                 (loss, stats), grads = value_and_grad_overlapped(
                     loss_of, axis, has_aux=True, reduce_aux=True, bucket_bytes=layout.bucket_bytes,
-                    first_bucket_bytes=layout.first_bucket_bytes)(mine)
+                    first_bucket_bytes=layout.first_bucket_bytes, hold=OVERLAP_HOLD[mode])(mine)
                 summed = {"grads": grads, "stats": stats}
             else:
                 (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)

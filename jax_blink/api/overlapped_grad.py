@@ -60,7 +60,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         hold: Which values wait for each start (pass through its ``optimization_barrier``):
             ``"recent"`` (default), those the backward pass made since the previous start and
             that later steps read; ``"all"``, every value the rest of the program reads (the
-            form measured before 2026-11-28, which changes XLA's fusions of the forward pass).
+            earlier form: XLA must then materialise the forward pass's values).
         **kwargs: Passed to :func:`jax_blink.all_reduce_start` (``topology``, ``method``).
 
     Returns:
@@ -107,12 +107,13 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     kept = set(values)  # inputs and constants: never freed
     handles: list = [None] * len(layout.buckets)
     started: list = []
-    since = [backward - 1]  # hold="recent": values made after this step are the recent ones
+    since = backward - 1  # hold="recent": values made after this step are the recent ones
 
     def read(k):
         return k.value if isinstance(k, jaxpr_steps.Lit) else values[k]
 
     def start_due(i: int) -> None:
+        nonlocal since
         held_at = None
         for b in due.get(i, ()):
             bucket = layout.buckets[b]
@@ -122,13 +123,13 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
             # before it, and the start cannot sink to the end of the step. Not for a start that
             # became XLA's own all-reduce (the dispatch table's lax sizes): XLA's scheduler places
             # and overlaps those itself, and the barriers cost its GPT-2 step 2.6% (4 x H200).
-            live = _held(program, values, i, hold, since[0], backward) if h.site is not None else []
+            live = _held(program, values, i, hold, since, backward) if h.site is not None else []
             if live:
                 tied = lax.optimization_barrier((h.passed, [values[k] for k in live]))
                 values.update(zip(live, tied[1]))
                 held_at = i
         if held_at is not None:  # buckets due at one step all hold the same recent values
-            since[0] = held_at
+            since = held_at
 
     start_due(-1)
     for i, step in enumerate(program.steps):

@@ -205,7 +205,7 @@ def test_cli_times_both_holds_of_the_overlapped_step(tmp_path, capsys):
                    "--quick-compile", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "jax_blink overlapped (hold recent)" in out and "overlapped (hold all)" in out, out
+    assert "jax_blink overlapped (hold recent)" in out and "jax_blink overlapped (hold all)" in out, out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-overlap-cpu-x8-*.json")]
     assert record["hold"] == "both"
     assert list(record["timing"]["modes"]) == ["psum", "blink", "overlap", "overlap-all", "none"]

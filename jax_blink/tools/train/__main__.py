@@ -312,13 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
             "(t - t(no all-reduce)) / t, the same step with the all-reduce taken out):")
         record["timing"] = {"runs": args.timing_runs, "method": "step with the all-reduce removed", "modes": {}}
+        labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
+                  "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
+                  "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch",
+                  "none": "no all-reduce"}
+        width = max(len(labels[m]) for m in modes)
         for m in modes:
             share = (med[m] - med["none"]) / med[m]
             counted = dp.collectives_in(m)
-            label = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
-                     "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
-                     "overlap-all": "overlapped (hold all)", "switch": "psum under the switch",
-                     "none": "no all-reduce"}[m]
+            label = labels[m]
             if m == "none":
                 tail = ""
             elif n == 1 or counted["all-reduce"] + counted["jax_blink"] == 0:
@@ -328,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 tail = (f"  collectives {share:6.1%} (exposed communication, measured: "
                         f"{(med[m] - med['none']) * 1e3:.3f} ms)")
-            say(f"  {label:>22}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
+            say(f"  {label:>{width}}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
                 f"{counted['jax_blink']} jax_blink call(s) in the program]")
             record["timing"]["modes"][m] = {"median_s": med[m], "times_s": times[m], "collective_share": share,
                                             "exposed_s": med[m] - med["none"],

@@ -68,21 +68,32 @@ def choice(collective: str, n: int, dtype: str | None, kind: str | None,
 
 
 def no_entry_message(key: _machine.MachineKey, dtype: str | None = None) -> str:
-    """What a machine without an entry runs under ``dispatch="auto"``, per collective, and the
-    command that measures one: the first call's warning and ``jax-blink env`` say it."""
+    """What a machine runs under ``dispatch="auto"`` for each collective that has no entry for it
+    (tuned or shipped), and the command that measures one: the first call's warning and
+    ``jax-blink env`` say it."""
+    missing = [c for c in dispatch_table.COLLECTIVES if not _has_entry(key, c, dtype)]
     parts = []
-    for collective in dispatch_table.COLLECTIVES:
+    for collective in missing:
         m = dispatch_table.meanwhile(key.platform, collective, key.layout, dtype)
-        where = dispatch_table.describe_ranges(m.lax_ranges)
         why = "" if m.sources else f" (never measured on a {key.platform} machine)"
-        parts.append(f"{_PUBLIC_NAME[collective]}: {LAX_NAME[collective]} at {where}{why}")
-    return (f"dispatch=\"auto\" has no measured entry for this machine ({key.describe()}). Meanwhile it runs "
+        parts.append(f"{_PUBLIC_NAME[collective]}: {LAX_NAME[collective]} {dispatch_table.at_ranges(m.lax_ranges)}{why}")
+    measured = [c for c in dispatch_table.COLLECTIVES if c not in missing]
+    whom = ("this machine" if not measured else
+            f"{', '.join(_PUBLIC_NAME[c] for c in missing)} on this machine (it has entries for "
+            f"{', '.join(_PUBLIC_NAME[c] for c in measured)})")
+    return (f"dispatch=\"auto\" has no measured entry for {whom} ({key.describe()}). Meanwhile it runs "
             f"jax_blink's executor only at sizes (bytes per rank) where the executor won on every "
             f"{key.platform} machine measured so far, and XLA's own collective elsewhere: "
             + "; ".join(parts)
             + f". Measure this machine with `{TUNE_COMMAND}` (a few minutes; it stores an entry in "
               f"{dispatch_cache.cache_file()} that dispatch=\"auto\" uses from then on), or set "
               "JAX_BLINK_DISPATCH=blink (always the executor) or lax")
+
+
+def _has_entry(key: _machine.MachineKey, collective: str, dtype: str | None) -> bool:
+    """Whether ``key`` has a tuned or shipped entry for ``collective`` (:func:`choice`'s first two)."""
+    return (dispatch_cache.lookup(key, collective, dtype) is not None
+            or dispatch_table.entry(key.device_kind, key.ranks, collective, key.layout, dtype, key.links) is not None)
 
 
 def _warn_no_entry(key: _machine.MachineKey) -> None:

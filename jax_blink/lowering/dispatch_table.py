@@ -236,11 +236,11 @@ def meanwhile(platform: str, collective: str = "allreduce", layout: str = "one p
 
 
 def describe_ranges(ranges: tuple[Range, ...]) -> str:
-    """Byte ranges in words: ``from 8M``, ``32K to 128K``, ``every size``, ``no size``."""
+    """Byte ranges in words: ``from 8M``, ``32K to 128K``, ``11.3M to 45.3M``, ``every size``, ``no size``."""
     def b(x: int) -> str:
         for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-            if x >= 1 << shift and x % (1 << shift) == 0:
-                return f"{x >> shift}{unit}"
+            if x >= 1 << shift:  # whole units where exact; a boundary between two measured sizes is not
+                return f"{x >> shift}{unit}" if x % (1 << shift) == 0 else f"{x / (1 << shift):.1f}{unit}"
         return str(x)
     if not ranges:
         return "no size"
@@ -248,3 +248,10 @@ def describe_ranges(ranges: tuple[Range, ...]) -> str:
         return "every size"
     return ", ".join(("below " + b(hi) if lo == 0 else f"from {b(lo)}") if lo == 0 or hi is None
                      else f"{b(lo)} to {b(hi)}" for lo, hi in ranges)
+
+
+def at_ranges(ranges: tuple[Range, ...]) -> str:
+    """:func:`describe_ranges` after a name, as the messages write it: ``lax.psum from 8M``,
+    ``lax.psum at 512K to 2M, from 8M``, ``lax.psum at every size``."""
+    text = describe_ranges(ranges)
+    return text if text.startswith(("from ", "below ")) else "at " + text

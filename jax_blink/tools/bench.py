@@ -176,6 +176,19 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         fixed = config.chunk_bytes or f"{_fmt_bytes(DEFAULT_CHUNK_BYTES)} (default)"
         print(f"# tuned(B): the chunk MIAD found best, t.us: time per call at it, t.spdup: lax / t.us "
               f"(time(us) is at chunk_bytes={fixed}); stored in {autotune.cache_path()}")
+    stem = meta = None
+    if out_dir:
+        kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
+        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}"
+                            + ("-auto" if auto else ""))
+        os.makedirs(out_dir, exist_ok=True)
+        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
+                    min_seconds=min_seconds, collective=collective,
+                    date=_dt.date.today().isoformat(), staging_bytes=None, host_bytes=None,
+                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks, **run_machine(devices),
+                    dispatch=dispatch, rows_planned=len(dtypes) * len(sizes(begin, end, factor)), complete=False)
+        print(f"# {stem}.csv and .json are written after every row (\"complete\": false in the .json until "
+              "the last), the plot at the end")
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)
@@ -229,6 +242,8 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
                      if tuned else ""), flush=True)
             if tuned:
                 print(_trial_log(tuned), flush=True)
+            if stem:  # a run stopped by its time limit keeps the rows it measured
+                _write(stem, meta, rows)
     staging = _staging_bytes() if devices[0].platform == "gpu" else None
     host_bytes = _host_bytes() if devices[0].platform == "gpu" else None
     if staging is not None:
@@ -236,25 +251,25 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
               f"(limit: min(1% of device memory, 256 MiB))")
     if host_bytes is not None:
         print(f"# pinned host memory of the executor (host channel): {host_bytes / 2**20:.1f} MiB per rank")
-    if out_dir:
-        kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
-        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}"
-                            + ("-auto" if auto else ""))
-        os.makedirs(out_dir, exist_ok=True)
-        with open(stem + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
-                    min_seconds=min_seconds, collective=collective,
-                    date=_dt.date.today().isoformat(), staging_bytes=staging, host_bytes=host_bytes,
-                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks, **run_machine(devices),
-                    dispatch=dispatch)
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if stem:
+        meta.update(staging_bytes=staging, host_bytes=host_bytes, complete=True)
+        _write(stem, meta, rows)
         plot(stem + ".csv", stem + ".png", ceiling)
         print(f"# wrote {stem}.csv, .json and .png")
     return rows
+
+
+def _write(stem: str, meta: dict, rows: list[dict]) -> None:
+    """The run's rows so far as ``stem``.csv and ``stem``.json (each replaced whole, through a
+    temporary file, so that a run killed mid-write leaves the previous row's files)."""
+    with open(stem + ".csv.tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(stem + ".json.tmp", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    os.replace(stem + ".csv.tmp", stem + ".csv")
+    os.replace(stem + ".json.tmp", stem + ".json")
 
 
 def plot(csv_path: str, png_path: str, ceiling_gbps: float | None = None) -> None:

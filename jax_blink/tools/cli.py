@@ -255,7 +255,7 @@ def _update_table(args: argparse.Namespace) -> int:
     for c in new:
         which = f" in {c.dtype}" if c.dtype else ""
         print(f"  {c.ranks} x {c.device_kind} ({c.links or 'links not recorded'}, {c.layout}), {c.collective}{which}: "
-              f"{_LAX_NAME[c.collective]} at {dispatch_table.describe_ranges(c.lax_ranges)}")
+              f"{_LAX_NAME[c.collective]} {dispatch_table.at_ranges(c.lax_ranges)}")
     return 0
 
 

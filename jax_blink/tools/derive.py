@@ -65,6 +65,10 @@ def _read_run(src: str, root: str, dtype: str | None = None
                          f"({', '.join(COLLECTIVES)})")
     if layout not in LAYOUTS:
         raise ValueError(f"{src}: layout {layout!r} is not one of {LAYOUTS}")
+    if meta.get("complete") is False:  # files of runs before this field was written are whole runs
+        raise ValueError(f"{src}: the run stopped after {len(rows)} of its {meta.get('rows_planned', '?')} rows "
+                         "(\"complete\": false); its rows can be read, but an entry extends the last size "
+                         "measured to every larger one, so it needs a whole run: run the bench again")
     if timed != "blink":
         raise ValueError(f"{src}: a bench run of dispatch={timed!r}, which times what the table already "
                          "decides; entries come from runs of the executor itself (the bench's default)")

@@ -36,12 +36,12 @@ FULL_END = 1 << 30
 
 def _describe(c) -> str:
     from jax_blink.lowering.decision import LAX_NAME
-    from jax_blink.lowering.dispatch_table import describe_ranges
+    from jax_blink.lowering.dispatch_table import at_ranges
 
     which = f" in {c.dtype}" if c.dtype else ""
     if not c.lax_ranges:
         return f"{c.collective}{which}: the executor at every size"
-    return f"{c.collective}{which}: {LAX_NAME[c.collective]} at {describe_ranges(c.lax_ranges)}, the executor elsewhere"
+    return f"{c.collective}{which}: {LAX_NAME[c.collective]} {at_ranges(c.lax_ranges)}, the executor elsewhere"
 
 
 def show(folder: str | None, say=print) -> int:

@@ -26,6 +26,38 @@ def test_bench_runs_checks_and_writes(tmp_path, collective):
     assert path.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2+ devices")
+def test_a_run_stopped_midway_keeps_its_rows_and_makes_no_entry(tmp_path, monkeypatch):
+    """The files are written after every row: a run stopped at its third size (here by an error
+    in the timing, as a time limit would stop it) leaves the two rows it measured, marked
+    incomplete, and the crossover refuses to derive an entry from them."""
+    from jax_blink.tools import derive
+
+    real, calls = bench.interleaved_times, []
+
+    def stop_at_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("the run's time limit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "interleaved_times", stop_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(1024, 16384, 4, ["float32"], k=2, runs=1, out_dir=str(tmp_path), kind="test", min_seconds=0)
+    (path,) = tmp_path.glob("allreduce-test-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["complete"] is False and doc["meta"]["rows_planned"] == 3
+    assert [r["bytes_per_rank"] for r in doc["rows"]] == [1024, 4096]
+    assert len(list(csv.DictReader(open(path.with_suffix(".csv"))))) == 2
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.png"))
+    with pytest.raises(ValueError, match="stopped after 2 of its 3 rows"):
+        derive.derive([path.name], root=str(tmp_path))
+    monkeypatch.setattr(bench, "interleaved_times", real)  # a whole run: complete, and an entry
+    bench.run(1024, 16384, 4, ["float32"], k=2, runs=1, out_dir=str(tmp_path), kind="test", min_seconds=0)
+    assert json.loads(path.read_text())["meta"]["complete"] is True
+    assert derive.derive([path.name], root=str(tmp_path)).ranks == jax.device_count()
+
+
 def test_collectives_argument_runs_all_reduce_first():
     import argparse
 

@@ -197,12 +197,21 @@ def test_the_first_call_without_an_entry_warns_once(monkeypatch):
 def test_the_message_says_what_runs_meanwhile():
     key = MachineKey("NVIDIA B200", 4, "NV18 switch")  # no entry of any collective
     text = decision.no_entry_message(key)
-    assert "4 x NVIDIA B200, NV18 switch, one process" in text
+    assert "no measured entry for this machine (4 x NVIDIA B200, NV18 switch, one process)" in text
     # The union of every GPU machine's lax sizes: from 8M (4 x H200 and 4 x H100) among them.
-    assert re.search(r"all_reduce: lax\.psum at [^;]*from 8M", text), text
-    assert "all_gather: lax.all_gather at from " in text  # measured on 4 x H200 (2026-11-27)
+    assert re.search(r"all_reduce: lax\.psum [^;]*from 8M", text), text
+    assert re.search(r"all_gather: lax\.all_gather from \d+(\.\d)?M", text), text  # measured on 4 x H200
+    assert "at from" not in text and not re.search(r"\d{6,}", text), text  # sizes in words, not raw bytes
     assert "broadcast: lax.psum (of the root's value) at every size (never measured on a gpu machine)" in text
     assert decision.TUNE_COMMAND in text and dispatch_cache.FILE_NAME in text
+
+
+def test_the_message_names_only_the_collectives_without_an_entry():
+    """4 x H100 has a shipped all-reduce entry (2026-11-28) and none for the others: the message
+    says so, and lists what runs meanwhile for the others only."""
+    text = decision.no_entry_message(MachineKey("NVIDIA H100 80GB HBM3", 4, "NV18 switch"))
+    assert "no measured entry for broadcast, reduce, all_gather, reduce_scatter on this machine" in text, text
+    assert "(it has entries for all_reduce)" in text and "all_reduce: lax.psum" not in text, text
 
 
 def _bench_file(path: Path, collective, n, points, links=None, kind="cpu", dispatch=None):

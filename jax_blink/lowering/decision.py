@@ -58,20 +58,25 @@ def choice(collective: str, n: int, dtype: str | None, kind: str | None,
     here: this machine's tuned entry (same links, jax and NCCL versions) if the cache holds one,
     else the shipped entry of this device model, count, links and layout, else the meanwhile rule."""
     key = _machine.this_machine(kind or "unknown", n, ranks_layout)
+    return (_measured(key, collective, dtype)
+            or Choice(dispatch_table.meanwhile(key.platform, collective, ranks_layout, dtype), "meanwhile", key))
+
+
+def _measured(key: _machine.MachineKey, collective: str, dtype: str | None) -> Choice | None:
+    """``key``'s tuned entry for ``collective`` if the cache holds one, else its shipped entry;
+    None where it has neither."""
     tuned = dispatch_cache.lookup(key, collective, dtype)
     if tuned is not None:
         return Choice(tuned, "tuned", key)
-    shipped = dispatch_table.entry(kind, n, collective, ranks_layout, dtype, key.links)
-    if shipped is not None:
-        return Choice(shipped, "shipped", key)
-    return Choice(dispatch_table.meanwhile(key.platform, collective, ranks_layout, dtype), "meanwhile", key)
+    shipped = dispatch_table.entry(key.device_kind, key.ranks, collective, key.layout, dtype, key.links)
+    return Choice(shipped, "shipped", key) if shipped is not None else None
 
 
 def no_entry_message(key: _machine.MachineKey, dtype: str | None = None) -> str:
     """What a machine runs under ``dispatch="auto"`` for each collective that has no entry for it
     (tuned or shipped), and the command that measures one: the first call's warning and
     ``jax-blink env`` say it."""
-    missing = [c for c in dispatch_table.COLLECTIVES if not _has_entry(key, c, dtype)]
+    missing = [c for c in dispatch_table.COLLECTIVES if _measured(key, c, dtype) is None]
     parts = []
     for collective in missing:
         m = dispatch_table.meanwhile(key.platform, collective, key.layout, dtype)
@@ -88,12 +93,6 @@ def no_entry_message(key: _machine.MachineKey, dtype: str | None = None) -> str:
             + f". Measure this machine with `{TUNE_COMMAND}` (a few minutes; it stores an entry in "
               f"{dispatch_cache.cache_file()} that dispatch=\"auto\" uses from then on), or set "
               "JAX_BLINK_DISPATCH=blink (always the executor) or lax")
-
-
-def _has_entry(key: _machine.MachineKey, collective: str, dtype: str | None) -> bool:
-    """Whether ``key`` has a tuned or shipped entry for ``collective`` (:func:`choice`'s first two)."""
-    return (dispatch_cache.lookup(key, collective, dtype) is not None
-            or dispatch_table.entry(key.device_kind, key.ranks, collective, key.layout, dtype, key.links) is not None)
 
 
 def _warn_no_entry(key: _machine.MachineKey) -> None:

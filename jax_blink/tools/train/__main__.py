@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     flags_note = _ensure_host_devices(args.host_devices)
     try:
-        from jax_blink.tools.train.step import DataParallel, switch_available
+        from jax_blink.tools.train.step import OVERLAP_HOLD, DataParallel, switch_available
     except ImportError as e:  # flax / optax missing
         print(f"{PROG}: {e}; install the train extra: pip install -e \".[train]\"", file=sys.stderr)
         return 2
@@ -289,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(dp.layout.explain(default_topology(n, "gpu" if devices[0].platform in ("gpu", "cuda") else devices[0].platform)))
     if n == 1:
         say("one device: every all-reduce is the identity (nothing to sum across); jax_blink returns its input")
-    first = {"overlap": "overlap-all" if args.hold == "all" else "overlap"}.get(args.collective, args.collective)
+    # The overlapped modes that --hold names (step.OVERLAP_HOLD: mode -> hold); the first trains.
+    overlapped = [m for m, hold in OVERLAP_HOLD.items() if args.hold in (hold, "both")]
+    first = overlapped[0] if args.collective == "overlap" else args.collective
     state, losses = dp.run(first, args.steps, lambda i, loss: say(f"step {i} loss {loss:.6f}"))
     if not all(np.isfinite(losses)):
         say("loss is not finite")
@@ -305,7 +307,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # psum, the mode asked for, no all-reduce; jax_blink's synchronous and overlapped steps side
         # by side when either of them is asked for.
         ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
-        overlapped = {"recent": ["overlap"], "all": ["overlap-all"], "both": ["overlap", "overlap-all"]}[args.hold]
         modes = ["psum", ours] + (overlapped if ours == "blink" else []) + ["none"]
         times = time_steps(dp, modes, state, args.timing_runs)
         med = {m: statistics.median(t) for m, t in times.items()}

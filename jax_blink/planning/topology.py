@@ -693,8 +693,8 @@ def _topology_from_nvml(
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     nvml.nvmlInit()
     try:
-        all_gpu_buses = nvml_gpus(nvml)
-        handles = _nvml_handles_of(nvml, locators, visible, all_gpu_buses)
+        all_gpus = nvml_gpus(nvml)
+        handles = _nvml_handles_of(nvml, locators, visible, all_gpus)
         by_bus = {_norm_bus_id(nvml.nvmlDeviceGetPciInfo(h).busId): pos  # our GPUs: bus id -> position
                   for pos, h in enumerate(handles)}
         n = len(handles)
@@ -717,7 +717,7 @@ def _topology_from_nvml(
                     b = by_bus[remote]
                     if b != a:
                         pair_links[(a, b)] = pair_links.get((a, b), 0) + 1
-                elif remote not in all_gpu_buses:
+                elif remote not in all_gpus:
                     switch_gbps[a] += gbps  # remote is an NVSwitch
                 # else: a GPU outside this device set; not ours to plan over
         name = _nvml_name(nvml, handles[0])

@@ -157,6 +157,19 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
     psum2_fn = chained(coll.chain(coll.ref), mesh, "x", slope_k) if slope_k else None
     rng = np.random.default_rng(0)
     rows = []
+    stem = meta = None
+    if out_dir:
+        kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
+        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}"
+                            + ("-auto" if auto else ""))
+        os.makedirs(out_dir, exist_ok=True)
+        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
+                    min_seconds=min_seconds, collective=collective,
+                    date=_dt.date.today().isoformat(), staging_bytes=None, host_bytes=None,
+                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks, **run_machine(devices),
+                    dispatch=dispatch, rows_planned=len(dtypes) * len(sizes(begin, end, factor)), complete=False)
+        print(f"# {stem}.csv and .json are written after every row (\"complete\": false in the .json until "
+              "the last), the plot at the end")
     if auto:
         print("# --dispatch auto: ours is jax_blink as dispatch=\"auto\" runs it; 'auto ran' names the path "
               "read from each size's compiled program (executor or lax)")
@@ -176,19 +189,6 @@ def run(begin: int, end: int, factor: int, dtypes: list[str], k: int, runs: int,
         fixed = config.chunk_bytes or f"{_fmt_bytes(DEFAULT_CHUNK_BYTES)} (default)"
         print(f"# tuned(B): the chunk MIAD found best, t.us: time per call at it, t.spdup: lax / t.us "
               f"(time(us) is at chunk_bytes={fixed}); stored in {autotune.cache_path()}")
-    stem = meta = None
-    if out_dir:
-        kind = kind or f"{devices[0].platform}-{n}x{devices[0].device_kind.replace(' ', '_')}"
-        stem = os.path.join(out_dir, f"{collective}-{kind}-{_dt.date.today().isoformat()}"
-                            + ("-auto" if auto else ""))
-        os.makedirs(out_dir, exist_ok=True)
-        meta = dict(device_kind=devices[0].device_kind, n=n, jax=jax.__version__, k=k, slope_k=slope_k, runs=runs,
-                    min_seconds=min_seconds, collective=collective,
-                    date=_dt.date.today().isoformat(), staging_bytes=None, host_bytes=None,
-                    chunk_bytes=config.chunk_bytes, tune_chunks=tune_chunks, **run_machine(devices),
-                    dispatch=dispatch, rows_planned=len(dtypes) * len(sizes(begin, end, factor)), complete=False)
-        print(f"# {stem}.csv and .json are written after every row (\"complete\": false in the .json until "
-              "the last), the plot at the end")
     for dtype in dtypes:
         for nbytes in sizes(begin, end, factor):
             count = max(1, nbytes // jnp.dtype(dtype).itemsize)

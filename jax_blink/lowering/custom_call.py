@@ -284,14 +284,21 @@ def collective_call(flat, axes, collective: str, *, op: str = "sum", root=None,
 
 def captured_handler(platform: str, collective: str, n: int, nbytes: int) -> bool:
     """Whether a call lowered now takes the handler that XLA may capture in its command buffers
-    (``config.command_buffers``): always (True), never (False), or under ``"auto"`` for the
-    all-reduces that the CUDA executor runs in one hop (at most ``LL_MAX_BYTES`` per rank on at most
-    ``LL_MAX_RANKS`` GPUs): the latency-bound calls of a decode step, where a call outside XLA's
-    graph split it (2 x H200: 5.8 against 3.6 us per all-reduce inside a step, docs/tensor_parallel.md),
-    and never the host channel's sizes."""
+    (``config.command_buffers``): always (True), never (False), or under ``"auto"`` for the calls
+    that the CUDA executor runs in one hop: all-reduces of at most ``LL_MAX_BYTES`` per rank, and
+    reduce-scatters and all-gathers whose blocks (``nbytes``, the call's whole operand, over ``n``)
+    its LL blocks kernel takes, on at most ``LL_MAX_RANKS`` GPUs. These are the latency-bound calls
+    of a decode step, where a call outside XLA's graph split it (2 x H200: 5.8 against 3.6 us per
+    all-reduce inside a step, docs/tensor_parallel.md); never the host channel's sizes."""
     cb = config.command_buffers
     if cb == "auto":
-        return platform == "gpu" and collective == "allreduce" and _forms.runs_ll(n, nbytes)
+        if platform != "gpu":
+            return False
+        if collective == "allreduce":
+            return _forms.runs_ll(n, nbytes)
+        if collective in ("allgather", "reducescatter"):
+            return n > 0 and nbytes % n == 0 and _forms.runs_ll_blocks(n, nbytes // n)
+        return False
     return bool(cb)
 
 

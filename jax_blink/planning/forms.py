@@ -54,7 +54,7 @@ from jax_blink.planning.packing import max_weights, plan as _plan
 from jax_blink.planning.topology import Topology
 
 __all__ = ["FORMS", "AUTO", "Form", "Choice", "choose", "forms_at", "segments", "size_class",
-           "LL_MAX_BYTES", "LL_MAX_RANKS", "ONESHOT_MAX_BYTES", "clear_cache", "runs_ll"]
+           "LL_MAX_BYTES", "LL_MAX_RANKS", "ONESHOT_MAX_BYTES", "clear_cache", "runs_ll", "runs_ll_blocks"]
 
 #: The all-reduce forms, in the order ties are broken (the first of equal times wins).
 #: ``config.allreduce_form`` value: let the planner choose.
@@ -415,6 +415,14 @@ def runs_ll(n: int, nbytes: float) -> bool:
     """Whether the CUDA executor runs an all-reduce of ``nbytes`` per rank on ``n`` GPUs (of one
     process, every pair linked) as its LL kernel, with the default limits."""
     return n <= LL_MAX_RANKS and nbytes <= LL_MAX_BYTES
+
+
+def runs_ll_blocks(n: int, block_bytes: float) -> bool:
+    """Whether the CUDA executor runs a reduce-scatter or all-gather whose ranks' blocks hold
+    ``block_bytes`` each, on ``n`` GPUs of one process, as its LL blocks kernel (every rank writes
+    each peer only the block that peer needs, in one hop): blocks of whole 8-byte lines, at most
+    the LL limit each, with the default limits."""
+    return 2 <= n <= LL_MAX_RANKS and block_bytes % 8 == 0 and 0 < block_bytes <= LL_MAX_BYTES
 
 
 def _one_hop(topology: Topology, nbytes: float) -> tuple[float, str] | None:

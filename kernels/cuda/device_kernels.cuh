@@ -84,6 +84,10 @@ struct Params {
   uint32_t os_site;    // the call site's tag (low bits of comm_id)
   int64_t os_elems;    // the operand's elements
   int64_t os_chunk;    // kOneShot: elements per chunk
+  // Mode::kLLBlocks (cuda/ll_blocks.cuh): kShapeReduceScatter or kShapeAllGather, and the bytes of
+  // each rank's block (the operand is n of them).
+  int32_t os_shape;
+  int64_t os_block_bytes;
   // Mode::kTwoShot (cuda/two_shot.cuh): elements per rank's chunk, pieces per chunk (a multiple of
   // the grid), elements per 16 bytes; ts_pull: 1 runs pull mode in every call
   // (JAX_BLINK_TWOSHOT_MODE=pull), 0 pull only where an operand aliases its result. os_elems is the
@@ -1016,6 +1020,9 @@ __global__ void __launch_bounds__(kCopyThreads) one_rank_kernel(const uint8_t* i
 }  // namespace
 }  // namespace jax_blink::cuda
 
+// The LL reduce-scatter and all-gather, a primitive of its own (it uses the LL all-reduce's
+// prologue, inbox and waits above).
+#include "cuda/ll_blocks.cuh"
 // The two-shot kernel, a primitive of its own (it uses the flags, pointer exchange and data movers
 // above), before the kernel table below.
 #include "cuda/two_shot.cuh"
@@ -1030,6 +1037,7 @@ using KernelFn = void (*)(const Params);
 template <class E, class Op>
 constexpr KernelFn kernel_for_mode(Mode m) {  // kTree and kHybrid: the tree kernel
   return m == Mode::kLL        ? &ll_kernel<E, Op>
+         : m == Mode::kLLBlocks ? &ll_blocks_kernel<E, Op>
          : m == Mode::kOneShot ? &oneshot_kernel<E, Op>
          : m == Mode::kTwoShot ? &two_shot_kernel<E, Op>
                                : &collective_kernel<E, Op>;
@@ -1052,7 +1060,7 @@ KernelFn KernelFor(DType d, int op, Mode m) {
   return nullptr;
 }
 
-constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot, Mode::kTwoShot};  // the kernels (kHybrid runs kTree's)
+constexpr Mode kModes[] = {Mode::kTree, Mode::kLL, Mode::kOneShot, Mode::kTwoShot, Mode::kLLBlocks};  // the kernels (kHybrid runs kTree's)
 
 }  // namespace
 }  // namespace jax_blink::cuda

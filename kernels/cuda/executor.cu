@@ -72,6 +72,12 @@
 // min(1% of device memory, 256 MiB); it assumes every rank runs the communicator's one-shot sites
 // in the same order (SPMD; the site tag catches violations).
 //
+// ## LL reduce-scatter and all-gather: Mode::kLLBlocks (cuda/ll_blocks.cuh)
+// A reduce-scatter or all-gather site of n equal blocks rooted at their owners (BlockShape), each
+// block whole 8-byte lines and at most the LL limit, skips the trees likewise: every rank writes
+// each peer only the block that peer needs, as LL lines into the same inbox (same call counter,
+// same parity slots), one hop instead of the trees' three.
+//
 // ## Host channel (Blink's hybrid transfer): Mode::kHybrid
 // A 2-rank all-reduce site of at least JAX_BLINK_HOST_MIN_BYTES (256 MiB) whose call carries a
 // host share (the plan's: the host path's rate against the trees', treegen.hybrid_share) sends
@@ -189,10 +195,10 @@ struct DeviceGuard {  // restores the calling thread's current device
   ~DeviceGuard() { if (saved >= 0) cudaSetDevice(saved); }
 };
 
-// The kernels (tree, LL, one-shot, two-shot), indexed by KernelIndex(mode).
-constexpr int kNumKernels = 4;
+// The kernels (tree, LL, one-shot, two-shot, LL blocks), indexed by KernelIndex(mode).
+constexpr int kNumKernels = 5;
 constexpr int KernelIndex(Mode m) {
-  return m == Mode::kLL ? 1 : m == Mode::kOneShot ? 2 : m == Mode::kTwoShot ? 3 : 0;
+  return m == Mode::kLL ? 1 : m == Mode::kOneShot ? 2 : m == Mode::kTwoShot ? 3 : m == Mode::kLLBlocks ? 4 : 0;
 }
 
 struct DeviceState {
@@ -902,10 +908,33 @@ void SetHostChannelParams(const Comm* comm, const HostSlice& host, int64_t nv_to
   base->host_ce = host.ce ? 1 : 0;
 }
 
-// A small all-reduce skips the trees: LL lines up to the LL limit (any rank count up to
-// kMaxLLRanks), chunks with one flag each up to the one-shot limit (2 ranks), where the
-// communicator's staging holds it. Sets the one-shot parameters and grid; *mode stays kTree
-// otherwise.
+// A reduce-scatter or an all-gather in n equal blocks (the layout cuda/ll_blocks.cuh takes): every
+// tree with elements reduces only (reduce-scatter) or broadcasts only (all-gather), lies inside
+// block `root` of the n, and the trees cover the operand. kShapeReduceScatter, kShapeAllGather or 0.
+int BlockShape(const Program& prog) {
+  const int n = prog.nranks();
+  const int64_t total = prog.total_elems();
+  if (n < 2 || total <= 0 || total % n != 0) return 0;
+  const int64_t blk = total / n;
+  int64_t at = 0;
+  int32_t phases = 0;
+  for (int t : prog.trees_by_offset()) {
+    const TreeView& tv = prog.tree(t);
+    if (tv.seg_len == 0) continue;
+    if (phases == 0) phases = tv.phases;
+    if (tv.seg_offset != at || tv.phases != phases) return 0;
+    if (tv.seg_offset < tv.root * blk || tv.seg_offset + tv.seg_len > (tv.root + 1) * blk) return 0;
+    at = tv.seg_offset + tv.seg_len;
+  }
+  if (at != total) return 0;
+  return phases == kPhaseReduce ? kShapeReduceScatter : phases == kPhaseBroadcast ? kShapeAllGather : 0;
+}
+
+// A small call skips the trees: an all-reduce as LL lines up to the LL limit (any rank count up
+// to kMaxLLRanks) or as chunks with one flag each up to the one-shot limit (2 ranks); a
+// reduce-scatter or all-gather as LL lines of one block per peer where a block is at most the LL
+// limit (cuda/ll_blocks.cuh); always where the communicator's staging holds it. Sets the
+// one-shot parameters and grid; *mode stays kTree otherwise.
 std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& prog, bool allreduce, int esize,
                                 int64_t comm_id, Params* base, Mode* mode) {
   const int n = prog.nranks();
@@ -914,12 +943,17 @@ std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& p
   const int64_t ll_max = opt.ll_max_bytes >= 0 ? opt.ll_max_bytes : DefaultLLMax();
   const int64_t os_max = n == 2 ? (opt.oneshot_max_bytes >= 0 ? opt.oneshot_max_bytes : DefaultOneShotMax(n)) : 0;
   *mode = Mode::kTree;
-  if (!allreduce || payload <= 0) return {};
-  if (n <= kMaxLLRanks && payload <= ll_max) *mode = Mode::kLL;
-  else if (payload <= os_max) *mode = Mode::kOneShot;
+  if (payload <= 0) return {};
+  const int shape = allreduce ? 0 : BlockShape(prog);
+  const int64_t block = payload / n;
+  if (allreduce && n <= kMaxLLRanks && payload <= ll_max) *mode = Mode::kLL;
+  else if (allreduce && payload <= os_max) *mode = Mode::kOneShot;
+  else if (shape != 0 && n <= kMaxLLRanks && block % 8 == 0 && block <= ll_max) *mode = Mode::kLLBlocks;
   else return {};
   if (std::string err = EnsureStagingLocked(comm); !err.empty()) return err;
-  const uint64_t need = *mode == Mode::kLL ? static_cast<uint64_t>((payload + 7) / 8) * 16 : static_cast<uint64_t>(payload);
+  // An inbox slot's bytes: LL lines take 16 bytes per 8 of data.
+  const int64_t slot_data = *mode == Mode::kLLBlocks ? block : payload;
+  const uint64_t need = *mode == Mode::kOneShot ? static_cast<uint64_t>(payload) : static_cast<uint64_t>((slot_data + 7) / 8) * 16;
   if (need > comm->region) {
     *mode = Mode::kTree;
     return {};
@@ -932,9 +966,11 @@ std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& p
   base->stg_blocks = G;
   base->os_site = static_cast<uint32_t>(comm_id) | 1u;  // never 0: k ^ site != k
   base->os_elems = prog.total_elems();
-  if (*mode == Mode::kLL) {
-    const int64_t lines = (payload + 7) / 8;
+  if (*mode == Mode::kLL || *mode == Mode::kLLBlocks) {
+    const int64_t lines = (slot_data + 7) / 8;
     base->grid = static_cast<int>(std::clamp<int64_t>((lines + kThreads - 1) / kThreads, 1, G));
+    base->os_shape = shape;
+    base->os_block_bytes = *mode == Mode::kLLBlocks ? block : 0;
     return {};
   }
   // Chunks: the program's chunk, but small enough to give every block one (>= 4 KiB, 16-byte
@@ -1087,7 +1123,7 @@ std::unique_ptr<Site> NewRankSite(Comm* comm, const Program& prog, int r, int de
     const int64_t words = (prog.total_elems() * esize + 15) / 16;
     s->copy_threads = static_cast<unsigned>(base.grid > 1 ? kCopyThreads : std::clamp<int64_t>((words + 31) / 32 * 32, 32, kCopyThreads));
   }
-  if (mode == Mode::kLL || mode == Mode::kOneShot) s->params.stg = comm->stg[r];
+  if (mode == Mode::kLL || mode == Mode::kOneShot || mode == Mode::kLLBlocks) s->params.stg = comm->stg[r];
   if (mode == Mode::kHybrid) {
     s->params.host_mine = static_cast<uint8_t*>(comm->host_dev[r]);
     s->params.host_peer = static_cast<const uint8_t*>(comm->host_dev[1 - r]);
@@ -1321,6 +1357,7 @@ const char* ModeName(Mode m) {
     case Mode::kOneShot: return "oneshot";
     case Mode::kHybrid: return "hybrid";
     case Mode::kTwoShot: return "twoshot";
+    case Mode::kLLBlocks: return "ll-blocks";
   }
   return "?";
 }

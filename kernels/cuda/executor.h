@@ -85,8 +85,8 @@ constexpr int64_t kDefaultHostCEChunkBytes = 4 << 20;
 
 // How a site runs (SiteMode): the tree kernel, one of the one-shot kernels, or the tree kernel
 // with a host-channel slice beside it (hybrid).
-enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2, kHybrid = 3, kTwoShot = 4 };
-constexpr int kNumModes = 5;
+enum class Mode : int32_t { kTree = 0, kLL = 1, kOneShot = 2, kHybrid = 3, kTwoShot = 4, kLLBlocks = 5 };
+constexpr int kNumModes = 6;
 const char* ModeName(Mode m);
 
 // One call site's state for one rank: opaque. Lives until Release().
@@ -151,7 +151,7 @@ struct CommInfo {
   int64_t control_bytes = 0;  // flags, pointer tables, plans of its sites, on its largest device
   int64_t host_bytes = 0;     // pinned host memory of its host channel (the outbox), per rank
   int num_sites = 0;
-  int sites_by_mode[kNumModes] = {0, 0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid, twoshot
+  int sites_by_mode[kNumModes] = {0, 0, 0, 0, 0, 0};  // indexed by Mode: tree, ll, oneshot, hybrid, twoshot, ll-blocks
 };
 std::vector<CommInfo> Comms();
 

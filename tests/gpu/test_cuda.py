@@ -116,7 +116,7 @@ _MODE_ENV = {
 
 
 def _sites_by_mode():
-    total = {"tree": 0, "ll": 0, "oneshot": 0, "hybrid": 0, "twoshot": 0}
+    total = {"tree": 0, "ll": 0, "oneshot": 0, "hybrid": 0, "twoshot": 0, "ll-blocks": 0}
     for c in _blink_cuda.comms():
         for m, k in c["sites_by_mode"].items():
             total[m] = total.get(m, 0) + k
@@ -286,7 +286,7 @@ def test_module_api():
     # The one-shot inbox of a communicator: at most min(1% of device memory, 256 MiB) per rank.
     assert 0 <= _blink_cuda.staging_bytes() <= 256 << 20
     for c in _blink_cuda.comms():
-        assert set(c["sites_by_mode"]) == {"tree", "ll", "oneshot", "hybrid", "twoshot"}
+        assert set(c["sites_by_mode"]) == {"tree", "ll", "oneshot", "hybrid", "twoshot", "ll-blocks"}
         assert sum(c["sites_by_mode"].values()) == c["num_sites"]
         assert c["host_bytes"] >= 0  # pinned host memory of its hybrid sites, per rank
     assert isinstance(_blink_cuda.comms(), list)

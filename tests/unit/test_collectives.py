@@ -336,6 +336,21 @@ def test_explain_names_the_two_shot_kernel_on_a_switch_only(monkeypatch):
     assert "run as the trees" in jax_blink.explain(quad, 64 << 20)
 
 
+def test_explain_names_the_ll_blocks_kernel(monkeypatch):
+    """Reduce-scatters and all-gathers whose blocks the LL blocks kernel takes (whole 8-byte lines,
+    at most JAX_BLINK_LL_BYTES each) say so; the rest run the trees."""
+    monkeypatch.delenv("JAX_BLINK_LL_BYTES", raising=False)
+    quad = jax_blink.Topology.preset("nvswitch:4")
+    ag = jax_blink.explain(quad, 4096, "allgather")  # a rank's operand is its block
+    assert "run as one LL kernel" in ag and "4096-byte block" in ag
+    rs = jax_blink.explain(quad, 4096, "reducescatter")  # a rank's operand holds 4 blocks
+    assert "run as one LL kernel" in rs and "1024-byte block" in rs
+    assert "through the trees" in jax_blink.explain(quad, 1 << 20, "allgather")
+    assert "through the trees" in jax_blink.explain(quad, 4 * 12, "reducescatter")  # 12-byte blocks
+    monkeypatch.setenv("JAX_BLINK_LL_BYTES", "1K")
+    assert "through the trees" in jax_blink.explain(quad, 4096, "allgather")
+
+
 def test_explain_names_the_gpu_kernel_and_the_dispatch(monkeypatch):
     from jax_blink.lowering import dispatch_table as tuning
 
@@ -671,8 +686,9 @@ def test_calls_are_pure_yet_never_merged_and_an_unused_one_is_dropped():
 
 
 def test_captured_handler_choice(monkeypatch):
-    """command_buffers="auto" (the default) gives the capturable handler to the one-hop all-reduces
-    of GPUs (<= 512 KiB per rank, <= 8 ranks) and to nothing else; True and False are absolute."""
+    """command_buffers="auto" (the default) gives the capturable handler to the one-hop calls of GPUs
+    (all-reduces of <= 512 KiB per rank, reduce-scatters and all-gathers of blocks of whole 8-byte
+    lines <= 512 KiB, <= 8 ranks) and to nothing else; True and False are absolute."""
     from jax_blink.lowering import custom_call as C
     from jax_blink.planning.forms import LL_MAX_BYTES, LL_MAX_RANKS
     monkeypatch.setattr(jax_blink.config, "command_buffers", "auto")
@@ -680,7 +696,15 @@ def test_captured_handler_choice(monkeypatch):
     assert C.captured_handler("gpu", "allreduce", LL_MAX_RANKS, LL_MAX_BYTES)
     assert not C.captured_handler("gpu", "allreduce", 4, LL_MAX_BYTES + 1)
     assert not C.captured_handler("gpu", "allreduce", LL_MAX_RANKS + 1, 1024)
-    assert not C.captured_handler("gpu", "allgather", 4, 1024)
+    # reduce-scatter and all-gather: nbytes is the call's whole operand, n blocks
+    for what in ("allgather", "reducescatter"):
+        assert C.captured_handler("gpu", what, 4, 4 * 1024)
+        assert C.captured_handler("gpu", what, LL_MAX_RANKS, LL_MAX_RANKS * LL_MAX_BYTES)
+        assert not C.captured_handler("gpu", what, 4, 4 * (LL_MAX_BYTES + 8))
+        assert not C.captured_handler("gpu", what, 4, 4 * 12)  # 12-byte blocks: a line would straddle two
+        assert not C.captured_handler("gpu", what, LL_MAX_RANKS + 1, (LL_MAX_RANKS + 1) * 1024)
+        assert not C.captured_handler("cpu", what, 4, 4 * 1024)
+    assert not C.captured_handler("gpu", "broadcast", 4, 1024)
     assert not C.captured_handler("cpu", "allreduce", 4, 1024)
     monkeypatch.setattr(jax_blink.config, "command_buffers", True)
     assert C.captured_handler("gpu", "allgather", 4, 1 << 30)

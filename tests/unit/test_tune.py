@@ -207,11 +207,12 @@ def test_the_message_says_what_runs_meanwhile():
 
 
 def test_the_message_names_only_the_collectives_without_an_entry():
-    """4 x H100 has a shipped all-reduce entry (2026-11-28) and none for the others: the message
-    says so, and lists what runs meanwhile for the others only."""
+    """4 x H100 has shipped all-reduce, all-gather and reduce-scatter entries (2026-11-28) and none
+    for broadcast and reduce: the message says so, and lists what runs meanwhile for those only."""
     text = decision.no_entry_message(MachineKey("NVIDIA H100 80GB HBM3", 4, "NV18 switch"))
-    assert "no measured entry for broadcast, reduce, all_gather, reduce_scatter on this machine" in text, text
-    assert "(it has entries for all_reduce)" in text and "all_reduce: lax.psum" not in text, text
+    assert "no measured entry for broadcast, reduce on this machine" in text, text
+    assert "(it has entries for all_reduce, all_gather, reduce_scatter)" in text, text
+    assert "all_reduce: lax.psum" not in text and "all_gather: lax" not in text, text
 
 
 def _bench_file(path: Path, collective, n, points, links=None, kind="cpu", dispatch=None):

@@ -76,8 +76,8 @@ def _executor_line(platform: str, collective: str, n: int, nbytes: int, switch: 
         return f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as {_gpu_kernel(n, nbytes, switch)}"
     if collective in ("allgather", "reducescatter"):
         # A rank's block: an all-gather's operand, a reduce-scatter's operand over n.
-        block = nbytes if collective == "allgather" else (nbytes // n if nbytes % n == 0 else 1)
-        if 2 <= n <= 8 and block % 8 == 0 and 0 < block <= _executor_bytes("JAX_BLINK_LL_BYTES"):
+        block = nbytes if collective == "allgather" else (nbytes // n if nbytes % n == 0 else 0)
+        if 2 <= n <= 8 and 0 < block <= _executor_bytes("JAX_BLINK_LL_BYTES"):
             return (f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as one LL kernel (every rank writes "
                     f"each peer only the {block}-byte block it needs, data and flag in one 8-byte store, one hop; "
                     "blocks up to JAX_BLINK_LL_BYTES), not the trees below")

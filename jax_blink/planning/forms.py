@@ -420,9 +420,9 @@ def runs_ll(n: int, nbytes: float) -> bool:
 def runs_ll_blocks(n: int, block_bytes: float) -> bool:
     """Whether the CUDA executor runs a reduce-scatter or all-gather whose ranks' blocks hold
     ``block_bytes`` each, on ``n`` GPUs of one process, as its LL blocks kernel (every rank writes
-    each peer only the block that peer needs, in one hop): blocks of whole 8-byte lines, at most
-    the LL limit each, with the default limits."""
-    return 2 <= n <= LL_MAX_RANKS and block_bytes % 8 == 0 and 0 < block_bytes <= LL_MAX_BYTES
+    each peer only the block that peer needs, in one hop): blocks of at most the LL limit each,
+    with the default limits."""
+    return 2 <= n <= LL_MAX_RANKS and 0 < block_bytes <= LL_MAX_BYTES
 
 
 def _one_hop(topology: Topology, nbytes: float) -> tuple[float, str] | None:

@@ -74,7 +74,7 @@
 //
 // ## LL reduce-scatter and all-gather: Mode::kLLBlocks (cuda/ll_blocks.cuh)
 // A reduce-scatter or all-gather site of n equal blocks rooted at their owners (BlockShape), each
-// block whole 8-byte lines and at most the LL limit, skips the trees likewise: every rank writes
+// block at most the LL limit, skips the trees likewise: every rank writes
 // each peer only the block that peer needs, as LL lines into the same inbox (same call counter,
 // same parity slots), one hop instead of the trees' three.
 //
@@ -948,7 +948,7 @@ std::string ChooseOneShotLocked(Comm* comm, const Options& opt, const Program& p
   const int64_t block = payload / n;
   if (allreduce && n <= kMaxLLRanks && payload <= ll_max) *mode = Mode::kLL;
   else if (allreduce && payload <= os_max) *mode = Mode::kOneShot;
-  else if (shape != 0 && n <= kMaxLLRanks && block % 8 == 0 && block <= ll_max) *mode = Mode::kLLBlocks;
+  else if (shape != 0 && n <= kMaxLLRanks && block <= ll_max) *mode = Mode::kLLBlocks;
   else return {};
   if (std::string err = EnsureStagingLocked(comm); !err.empty()) return err;
   // An inbox slot's bytes: LL lines take 16 bytes per 8 of data.

@@ -5,9 +5,11 @@
 // inbox, waits and line helpers it uses.
 //
 // ## Layout
-// The operand is n blocks of B bytes (B a multiple of 8, so no 8-byte line straddles two blocks);
-// block j belongs to rank j. Rank r's inbox slot for peer s (parity k & 1) holds the LL lines of
-// one block: line i is bytes [8i, 8i + 8) of that block.
+// The operand is n blocks of B bytes (B a multiple of the element size); block j belongs to rank j.
+// Rank r's inbox slot for peer s (parity k & 1) holds the LL lines of one block: line i is bytes
+// [8i, 8i + 8) of that block, cut at B (zeros past it), so lines never straddle two blocks and
+// hold whole elements. A block that starts off 8 bytes (B not a multiple of 8) is read and written
+// a byte at a time (load_line, store_line): small calls only.
 //   reduce-scatter (p.os_shape == kShapeReduceScatter): rank r writes block j of its `in` into rank
 //     j's slot for r, for every j != r; then reduces block r in rank order (its own `in` for
 //     itself, the slot for s for peer s) into block r of `out`. The other blocks of `out` are not
@@ -29,12 +31,11 @@ template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) {
   __shared__ Shared sh;
   const int64_t B = p.os_block_bytes;  // bytes per block, a multiple of 8
-  const int64_t lines = B / 8;
+  const int64_t lines = (B + 7) / 8;
   const bool scatter = p.os_shape == kShapeReduceScatter;
   const uint8_t* in = static_cast<const uint8_t*>(p.in);
   uint8_t* out = static_cast<uint8_t*>(p.out);
-  const bool in8 = (reinterpret_cast<uintptr_t>(in) & 7u) == 0;
-  const bool out8 = (reinterpret_cast<uintptr_t>(out) & 7u) == 0;
+  auto at8 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 7u) == 0; };
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t elems_per_block = B / static_cast<int64_t>(sizeof(typename E::S));
@@ -45,11 +46,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
     const uint8_t* mine = in + me * B;
     // Sends: the peer's block (reduce-scatter) or this rank's own (all-gather), line by line.
     for (int64_t i = first; i < lines; i += stride) {
-      const uint2 own = scatter ? make_uint2(0, 0) : load_line(mine, i, B, in8);
-      if (!scatter && out != in) store_line(out + me * B, i, B, out8, own);
+      const uint2 own = scatter ? make_uint2(0, 0) : load_line(mine, i, B, at8(mine));
+      if (!scatter && out != in) store_line(out + me * B, i, B, at8(out + me * B), own);
       for (int dst = 0; dst < n; ++dst) {
         if (dst == me) continue;
-        const uint2 d = scatter ? load_line(in + dst * B, i, B, in8) : own;
+        const uint2 d = scatter ? load_line(in + dst * B, i, B, at8(in + dst * B)) : own;
         uint4* line = reinterpret_cast<uint4*>(stg_data(p, sh.stg_peer[dst], par, inbox_slot(me, dst))) + i;
         sync::st_volatile_v4(line, d.x, f0, d.y, f1);
       }
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
         for (int src = 0; ok && src < n; ++src) {
           uint2 d;
           if (src == me) {
-            d = load_line(mine, i, B, in8);
+            d = load_line(mine, i, B, at8(mine));
           } else {
             const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
             ok = ll_wait(p, sh, line, f0, f1, src, me * elems_per_block + 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
@@ -69,14 +70,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
           if (src == 0) acc.set(d);
           else acc.add(d);
         }
-        if (ok) store_line(out + me * B, i, B, out8, acc.get());
+        if (ok) store_line(out + me * B, i, B, at8(out + me * B), acc.get());
       } else {
         for (int src = 0; ok && src < n; ++src) {
           if (src == me) continue;
           uint2 d;
           const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
           ok = ll_wait(p, sh, line, f0, f1, src, src * elems_per_block + 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
-          if (ok) store_line(out + src * B, i, B, out8, d);
+          if (ok) store_line(out + src * B, i, B, at8(out + src * B), d);
         }
       }
     }

@@ -337,8 +337,8 @@ def test_explain_names_the_two_shot_kernel_on_a_switch_only(monkeypatch):
 
 
 def test_explain_names_the_ll_blocks_kernel(monkeypatch):
-    """Reduce-scatters and all-gathers whose blocks the LL blocks kernel takes (whole 8-byte lines,
-    at most JAX_BLINK_LL_BYTES each) say so; the rest run the trees."""
+    """Reduce-scatters and all-gathers whose blocks the LL blocks kernel takes (at most
+    JAX_BLINK_LL_BYTES each) say so; the rest run the trees."""
     monkeypatch.delenv("JAX_BLINK_LL_BYTES", raising=False)
     quad = jax_blink.Topology.preset("nvswitch:4")
     ag = jax_blink.explain(quad, 4096, "allgather")  # a rank's operand is its block
@@ -346,7 +346,7 @@ def test_explain_names_the_ll_blocks_kernel(monkeypatch):
     rs = jax_blink.explain(quad, 4096, "reducescatter")  # a rank's operand holds 4 blocks
     assert "run as one LL kernel" in rs and "1024-byte block" in rs
     assert "through the trees" in jax_blink.explain(quad, 1 << 20, "allgather")
-    assert "through the trees" in jax_blink.explain(quad, 4 * 12, "reducescatter")  # 12-byte blocks
+    assert "12-byte block" in jax_blink.explain(quad, 4 * 12, "reducescatter")  # the last line cut short
     monkeypatch.setenv("JAX_BLINK_LL_BYTES", "1K")
     assert "through the trees" in jax_blink.explain(quad, 4096, "allgather")
 
@@ -687,8 +687,8 @@ def test_calls_are_pure_yet_never_merged_and_an_unused_one_is_dropped():
 
 def test_captured_handler_choice(monkeypatch):
     """command_buffers="auto" (the default) gives the capturable handler to the one-hop calls of GPUs
-    (all-reduces of <= 512 KiB per rank, reduce-scatters and all-gathers of blocks of whole 8-byte
-    lines <= 512 KiB, <= 8 ranks) and to nothing else; True and False are absolute."""
+    (all-reduces of <= 512 KiB per rank, reduce-scatters and all-gathers of blocks <= 512 KiB,
+    <= 8 ranks) and to nothing else; True and False are absolute."""
     from jax_blink.lowering import custom_call as C
     from jax_blink.planning.forms import LL_MAX_BYTES, LL_MAX_RANKS
     monkeypatch.setattr(jax_blink.config, "command_buffers", "auto")
@@ -701,7 +701,8 @@ def test_captured_handler_choice(monkeypatch):
         assert C.captured_handler("gpu", what, 4, 4 * 1024)
         assert C.captured_handler("gpu", what, LL_MAX_RANKS, LL_MAX_RANKS * LL_MAX_BYTES)
         assert not C.captured_handler("gpu", what, 4, 4 * (LL_MAX_BYTES + 8))
-        assert not C.captured_handler("gpu", what, 4, 4 * 12)  # 12-byte blocks: a line would straddle two
+        assert C.captured_handler("gpu", what, 4, 4 * 12)  # 12-byte blocks: the last line cut short
+        assert not C.captured_handler("gpu", what, 4, 6)  # no whole blocks
         assert not C.captured_handler("gpu", what, LL_MAX_RANKS + 1, (LL_MAX_RANKS + 1) * 1024)
         assert not C.captured_handler("cpu", what, 4, 4 * 1024)
     assert not C.captured_handler("gpu", "broadcast", 4, 1024)

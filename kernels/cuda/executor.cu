@@ -1703,8 +1703,9 @@ std::string KernelImageProblem(int device) {
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.4.3 (program format v1; one-shot all-reduce through a staging inbox "
-         "(LL lines / flagged chunks) up to a size limit; trees above it: push where the tree allows, "
+  return "jax_blink CUDA executor 0.4.4 (program format v1; one-shot all-reduce through a staging inbox "
+         "(LL lines / flagged chunks) up to a size limit, and LL reduce-scatter and all-gather of small blocks; "
+         "two-shot all-reduce on 3+ GPUs from 16 MiB; trees elsewhere: push where the tree allows, "
          "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink; "
          "one rank: a copy; launched through the driver with handles fetched at set-up)";
 }

@@ -26,7 +26,7 @@
 # e.g. "--sizes 64M,1G --profile $OUT/cesweep-profile": a trace per variant and how its copies ran); linkprobe runs
 # benchmarks/link_probe.py (peer copies, a kernel's peer stores and loads, bulk copies, alone, 1 to n - 1
 # peers at once; copies with pinned host memory, 1 to n GPUs at once and beside the peer pushes;
-# LINKPROBE_ENGINES picks, default ce,sm,tma,host; needs CuPy, no build).
+# LINKPROBE_ENGINES picks, default ce,sm,tma,host; mix: copy engines and a kernel's stores at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto

@@ -1,6 +1,6 @@
 """How fast each GPU moves bytes to and from its peers when several peers are served at once (GPUs, CuPy).
 
-    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm,tma,host] [--out FILE.md]
+    python benchmarks/link_probe.py [--bytes 256M] [--runs 10] [--engines ce,sm,tma,host,mix] [--out FILE.md]
 
 The ceiling that an all-reduce on these links is held against, measured without reductions, flags
 or XLA: every GPU at the same time moves ``--bytes`` to (push) or from (pull) each of k peers, for
@@ -27,6 +27,13 @@ k = 1 .. n - 1. Peer of copy i on GPU g: (g + i) mod n, as the all-reduces order
   ``serial`` as above, ``spread`` writes each tile to every peer. Timed like ``sm``. Whether bulk
   writes carry more across NVLink than 16-byte stores (which top out at 322-338 GB/s per GPU on
   4 x H200) is what it asks.
+- ``mix``, both at once: every GPU pushes to its k peers, the first share of each peer's bytes on
+  copy engines (a stream per peer) and the rest by the ``sm`` kernel's stores (every SM, its own
+  stream), for shares 0, 25, 50, 75 and 100% on the copy engines; timed by the host from the
+  first launch to the last GPU synchronised (so 0% and 100% are the two engines alone, timed the
+  same way). Whether NVLink carries more per GPU with both engines writing than with either alone
+  (copy engines 372-377, stores 322-338 GB/s on 4 x H200) is what it asks: the bound of a two-shot
+  all-reduce that splits its pushes between them.
 
 Each pattern runs ``--runs`` times after a warm-up, from zeroed destinations, and then every byte
 is checked: the destinations it fills hold their sender's value, the others still 0. The table gives per
@@ -153,6 +160,11 @@ def table(rows: list[dict], n: int, kind: str, nbytes: int) -> str:
     return "\n".join(lines)
 
 
+def _ce_bytes(nbytes: int, share: float) -> int:
+    """The copy engines' part of ``nbytes`` in the ``mix`` patterns: whole 16-byte vectors."""
+    return int(round(nbytes * share / 16)) * 16
+
+
 def _row(engine: str, direction: str, k: int, how: str, times: list[float], nbytes: int) -> dict:
     t = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [t, t, t]
@@ -244,7 +256,7 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
     for g in range(n):
         peers = [(g + i) % n for i in range(1, n)]
         with cp.cuda.Device(g):
-            if "sm" in engines:
+            if "sm" in engines or "mix" in engines:
                 module = cp.RawModule(code=SM_KERNEL, options=("-std=c++17",))
                 kernels.append({"push": module.get_function("push_peers"), "pull": module.get_function("pull_peers")})
                 # (destinations, sources) per direction
@@ -262,6 +274,39 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
         return timed(lambda g, s: kernels[g][direction]((grid,), (512,), (*tables[g][direction], cp.int32(k),
                                                                           cp.int64(nbytes // 16), cp.int32(spread)),
                                                         stream=s))
+
+    shares = (0.0, 0.25, 0.5, 0.75, 1.0)
+    # Per GPU and share: the kernel's (destinations, sources) past the copy engines' part.
+    mix_tables, mix_streams = [], []
+    if "mix" in engines:
+        for g in range(n):
+            peers = [(g + i) % n for i in range(1, n)]
+            with cp.cuda.Device(g):
+                mix_streams.append(cp.cuda.Stream(non_blocking=True))
+                mix_tables.append({})
+                for share in shares:
+                    off = _ce_bytes(nbytes, share) // 4
+                    mix_tables[g][share] = (pointers([slot(p, g)[off:] for p in peers]),
+                                            pointers([bufs[g][0][off:]] * (n - 1)))
+
+    def once_mix(k: int, share: float) -> float:
+        """k peers per GPU: the first ``share`` of each peer's bytes on copy engines, the rest by the
+        kernel's stores, all at once on every GPU; the host's time to the last synchronisation."""
+        ce = _ce_bytes(nbytes, share)
+        t0 = time.perf_counter()
+        for g in range(n):
+            with cp.cuda.Device(g):
+                if ce < nbytes:
+                    kernels[g]["push"]((sms,), (512,), (*mix_tables[g][share], cp.int32(k),
+                                                        cp.int64((nbytes - ce) // 16), cp.int32(0)),
+                                       stream=mix_streams[g])
+                for i in range(1, k + 1):
+                    if ce:
+                        p = (g + i) % n
+                        cp.cuda.runtime.memcpyPeerAsync(slot(p, g).data.ptr, p, bufs[g][0].data.ptr, g, ce,
+                                                        streams[g][i - 1].ptr)
+        sync_all()
+        return time.perf_counter() - t0
 
     def once_host(gpus: int, d2h: bool, h2d: bool, peers: int = 0) -> dict[str, float]:
         """GPUs 0 .. gpus - 1 copy to and/or from pinned host memory (and push to ``peers`` peers on
@@ -391,6 +436,11 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
             for spread in ((False, True) if k > 1 else (False,)):
                 measure("tma", "push", k, f"{'spread' if spread else 'serial'}, {sms} blocks, tiles of 8 KiB",
                         lambda: once_tma(k, spread))
+    if "mix" in engines:
+        for k in sorted({1, n - 1}):
+            for share in shares:
+                measure("ce+sm", "push", k, f"{share:.0%} on copy engines ({k} stream(s)), the rest a kernel's "
+                        f"stores ({sms} blocks), host-timed", lambda: once_mix(k, share))
     for (hsrc, _), (hdst, _), _ in hosts:
         cp.cuda.runtime.freeHost(hsrc)
         cp.cuda.runtime.freeHost(hdst)
@@ -406,14 +456,15 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=cli.whole_number(1, 1000), default=10, help="timed runs per pattern")
     ap.add_argument("--engines", default="ce,sm,tma",
                     help="comma-separated: ce (copy engines), sm (a kernel's loads and stores), tma (bulk copies), "
-                         "host (copy engines to and from pinned host memory)")
+                         "host (copy engines to and from pinned host memory), mix (copy engines and a kernel's "
+                         "stores at once)")
     ap.add_argument("--out", help="write the table to this Markdown file")
     args = ap.parse_args(argv)
     if args.bytes < 4096 or args.bytes % 16:
         ap.error(f"--bytes: got {args.bytes}; takes at least 4K, a multiple of 16")
     engines = [e.strip().lower() for e in args.engines.split(",") if e.strip()]
-    if not engines or set(engines) - {"ce", "sm", "tma", "host"}:
-        ap.error(f"--engines: got {args.engines!r}; takes ce, sm, tma and host, comma-separated")
+    if not engines or set(engines) - {"ce", "sm", "tma", "host", "mix"}:
+        ap.error(f"--engines: got {args.engines!r}; takes ce, sm, tma, host and mix, comma-separated")
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -129,6 +129,20 @@ def test_run_moves_and_checks_every_pattern_with_a_fake_cupy(monkeypatch):
     assert all(r["runs"] == 2 and r["gbps"] > 0 for r in rows)
 
 
+def test_mix_splits_each_peers_bytes_between_the_engines(monkeypatch):
+    """The mix engine: k = 1 and n - 1 peers, each at 0-100% on copy engines (the rest by the
+    kernel), every byte checked; a kernel that writes nothing is named at its first pattern."""
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3))
+    rows, n, _ = link_probe.run(64 << 10, 2, ["mix"])
+    hows = [(r["engine"], r["peers"], r["how"].split(" on copy")[0]) for r in rows]
+    assert hows == [("ce+sm", k, share) for k in (1, 2) for share in ("0%", "25%", "50%", "75%", "100%")]
+    assert all(r["gbps"] > 0 and r["direction"] == "push" for r in rows)
+    assert link_probe._ce_bytes(64 << 10, 0.25) == 16 << 10 and link_probe._ce_bytes(100, 0.5) % 16 == 0
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3, broken="push_peers"))
+    with pytest.raises(SystemExit, match=r"ce\+sm push k=1 0% on copy engines .*: GPU 0's slot for GPU 2 holds \[0.0\]"):
+        link_probe.run(64 << 10, 1, ["mix"])
+
+
 @pytest.mark.parametrize("broken,engine", [("tma_push", "tma"), ("pull_peers", "sm"), ("push_peers", "sm")])
 def test_an_engine_whose_bytes_do_not_land_is_named(monkeypatch, broken, engine):
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy(3, broken=broken))

@@ -141,3 +141,29 @@ def _random(rng, dtype, size):
     if dtype == "int32":
         return rng.integers(-1000, 1000, size).astype(np.int32)
     return rng.standard_normal(size).astype(_np_dtype(dtype))
+
+
+@pytest.mark.parametrize("preset", ["nvswitch:2", "nvswitch:3", "nvswitch:4", "dgx1v"])
+@pytest.mark.parametrize("collective", ["allgather", "reducescatter"])
+@pytest.mark.parametrize("per,itemsize", [(3, 2), (1024, 4), (100_003, 4)])
+def test_gather_and_scatter_programs_are_blocks_rooted_at_their_owners(preset, collective, per, itemsize):
+    """What the CUDA executor's one-hop reduce-scatter and all-gather take (BlockShape in
+    kernels/cuda/executor.cu): the trees cover the operand in order, all reduce only or all
+    broadcast only, and each lies inside block `root` of n equal blocks. Every program the planner
+    makes for these two collectives must be so, or the one-hop kernel never runs."""
+    import jax_blink
+    from jax_blink.lowering.custom_call import build_program
+
+    topo = jax_blink.Topology.preset(preset)
+    if preset == "dgx1v":
+        topo = topo.subset([0, 1, 2, 4])
+    n = topo.n
+    sched = S.decode(build_program(topo, collective, None, n * per, itemsize, None, "exact"))
+    assert sched.nranks == n and sched.total_elems == n * per
+    at = 0
+    for t in sorted((t for t in sched.trees if t.length), key=lambda t: t.offset):
+        assert t.offset == at, "the trees must cover the operand without gaps"
+        assert t.phases == (S.PHASE_REDUCE if collective == "reducescatter" else S.PHASE_BROADCAST)
+        assert t.root * per <= t.offset and t.offset + t.length <= (t.root + 1) * per, (t.root, t.offset, t.length)
+        at = t.offset + t.length
+    assert at == n * per

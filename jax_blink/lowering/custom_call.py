@@ -287,8 +287,8 @@ def captured_handler(platform: str, collective: str, n: int, nbytes: int) -> boo
     (``config.command_buffers``): always (True), never (False), or under ``"auto"`` for the calls
     that the CUDA executor runs in one hop: all-reduces of at most ``LL_MAX_BYTES`` per rank, and
     reduce-scatters and all-gathers whose blocks (``nbytes``, the call's whole operand, over ``n``)
-    its LL blocks kernel takes (at most ``LL_MAX_BYTES`` each), on at most ``LL_MAX_RANKS`` GPUs. These are the latency-bound calls
-    of a decode step, where a call outside XLA's graph split it (2 x H200: 5.8 against 3.6 us per
+    are at most ``LL_MAX_BYTES`` each, on at most ``LL_MAX_RANKS`` GPUs. These are the latency-bound
+    calls of a decode step, where a call outside XLA's graph split it (2 x H200: 5.8 against 3.6 us per
     all-reduce inside a step, docs/tensor_parallel.md); never the host channel's sizes."""
     cb = config.command_buffers
     if cb == "auto":

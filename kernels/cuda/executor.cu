@@ -74,9 +74,9 @@
 //
 // ## LL reduce-scatter and all-gather: Mode::kLLBlocks (cuda/ll_blocks.cuh)
 // A reduce-scatter or all-gather site of n equal blocks rooted at their owners (BlockShape), each
-// block at most the LL limit, skips the trees likewise: every rank writes
-// each peer only the block that peer needs, as LL lines into the same inbox (same call counter,
-// same parity slots), one hop instead of the trees' three.
+// block at most the LL limit, skips the trees likewise: every rank writes each peer only the block
+// that peer needs, as LL lines into the same inbox (same call counter, same parity slots), one hop
+// instead of the trees' three.
 //
 // ## Host channel (Blink's hybrid transfer): Mode::kHybrid
 // A 2-rank all-reduce site of at least JAX_BLINK_HOST_MIN_BYTES (256 MiB) whose call carries a

@@ -30,7 +30,7 @@ constexpr int32_t kShapeReduceScatter = 1, kShapeAllGather = 2;
 template <class E, class Op>
 __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) {
   __shared__ Shared sh;
-  const int64_t B = p.os_block_bytes;  // bytes per block, a multiple of 8
+  const int64_t B = p.os_block_bytes;  // bytes per block, a multiple of the element size
   const int64_t lines = (B + 7) / 8;
   const bool scatter = p.os_shape == kShapeReduceScatter;
   const uint8_t* in = static_cast<const uint8_t*>(p.in);
@@ -38,7 +38,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
   auto at8 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 7u) == 0; };
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t elems_per_block = B / static_cast<int64_t>(sizeof(typename E::S));
+  // The element a line starts at, in the whole operand (for the error record).
+  auto elem_at = [B](int block, int64_t i) {
+    return (block * B + 8 * i) / static_cast<int64_t>(sizeof(typename E::S));
+  };
   if (oneshot_begin(p, sh)) {
     const int n = p.nranks, me = p.rank;
     const uint32_t k = sh.k, f0 = k, f1 = k ^ p.os_site;
@@ -65,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
             d = load_line(mine, i, B, at8(mine));
           } else {
             const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
-            ok = ll_wait(p, sh, line, f0, f1, src, me * elems_per_block + 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
+            ok = ll_wait(p, sh, line, f0, f1, src, elem_at(me, i), &d);
           }
           if (src == 0) acc.set(d);
           else acc.add(d);
@@ -76,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
           if (src == me) continue;
           uint2 d;
           const uint4* line = reinterpret_cast<const uint4*>(stg_data(p, p.stg, par, inbox_slot(src, me))) + i;
-          ok = ll_wait(p, sh, line, f0, f1, src, src * elems_per_block + 8 * i / static_cast<int64_t>(sizeof(typename E::S)), &d);
+          ok = ll_wait(p, sh, line, f0, f1, src, elem_at(src, i), &d);
           if (ok) store_line(out + src * B, i, B, at8(out + src * B), d);
         }
       }

@@ -132,6 +132,14 @@ std::vector<TreeSpec> SplitStars(int n, int64_t total, int esize, int phases = 3
   return t;
 }
 
+// n blocks of `block` elements, block r a star rooted at rank r: the program of a reduce-scatter
+// (phases 1) or an all-gather (phases 2) on a switch, which the LL blocks kernel takes.
+std::vector<TreeSpec> OwnedBlocks(int n, int64_t block, int phases) {
+  std::vector<TreeSpec> t;
+  for (int r = 0; r < n; ++r) t.push_back({r, phases, r * block, block, StarParents(n, r)});
+  return t;
+}
+
 // DGX-1V-like: three spanning trees over the NVLink graph of 8 V100s (roots 0, 6, 3).
 std::vector<TreeSpec> Dgx1vTrees(int64_t total) {
   const std::vector<int> a = {-1, 0, 3, 0, 0, 1, 7, 4};
@@ -280,7 +288,7 @@ void Settle(const std::vector<Rank>& ranks) {
 // kHybrid: the host channel at any size, with the share / chunk already in `opt` or 30% in
 // chunks of 16 KiB (so that small tests still have several chunks per host block).
 void ForceMode(cuda::Options* opt, Mode mode) {
-  opt->ll_max_bytes = mode == Mode::kLL ? int64_t{1} << 40 : 0;
+  opt->ll_max_bytes = mode == Mode::kLL || mode == Mode::kLLBlocks ? int64_t{1} << 40 : 0;
   opt->oneshot_max_bytes = mode == Mode::kOneShot ? int64_t{1} << 40 : 0;
   if (mode == Mode::kHybrid) {
     opt->host_min_bytes = 0;
@@ -322,6 +330,8 @@ struct Case {
   double host_share = 0;     // kHybrid: 0 = ForceMode's default
   int host_blocks = -1;
   int host_engine = 0;       // kHybrid: 0 SMs, 1 copy engines
+  bool roots_only = false;   // reduce-only trees: only the root's result is checked (kLLBlocks, as a
+                             // reduce-scatter, leaves the other ranks' `out` there as it was: poison)
   bool Aliased(int r) const { return alias || ((alias_ranks >> r) & 1u); }
 };
 
@@ -408,8 +418,12 @@ bool RunCase(const Case& c) {
   }
   int64_t wrong = 0;
   std::string first;
+  std::vector<int> reduced_at(c.roots_only ? c.total : 0, -1);  // the root of a reduce-only tree
+  for (const TreeSpec& t : c.trees)
+    if (c.roots_only && t.phases == kPhaseReduce) std::fill_n(reduced_at.begin() + t.off, t.len, t.root);
   for (int r = 0; r < n; ++r)
     for (int64_t i = 0; i < c.total; ++i) {
+      if (c.roots_only && reduced_at[i] >= 0 && reduced_at[i] != r) continue;
       const double g = Get(c.dtype, got[r].data(), i), want = ref[r][i];
       const bool ok = c.real ? std::fabs(g - want) <= tol : g == want;
       if (!ok && wrong++ == 0) {
@@ -845,6 +859,32 @@ std::vector<Case> OneGpuCases(bool quick) {
                 SplitStars(3, 12345, 4), false, true});
   cs.back().mode = Mode::kLL;
   cs.back().alias_ranks = 2;
+  cs.back().reverse_launch = true;
+  // LL reduce-scatter and all-gather (Mode::kLLBlocks): out poisoned (0xFF), blocks of odd sizes
+  // (off 8 bytes: the byte path) and of whole lines, 2 to 8 ranks, in place too.
+  for (int n : {2, 3, 4, 8})
+    for (DType d : {DType::kF32, DType::kBF16, DType::kS32, DType::kF64})
+      for (int phases : {1, 2}) {
+        const std::string nm = std::string("1gpu ") + std::to_string(n) + "r ll-blocks " +
+                               (phases == 1 ? "reduce-scatter " : "all-gather ") + cuda::DTypeName(d);
+        for (int64_t block : {int64_t{4099}, int64_t{1024}}) {
+          cs.push_back({nm + " block " + std::to_string(block), same(n), d, 0, n * block, 1024,
+                        OwnedBlocks(n, block, phases)});
+          cs.back().mode = Mode::kLLBlocks;
+          cs.back().roots_only = phases == 1;
+        }
+      }
+  cs.push_back({"1gpu 3r ll-blocks reduce-scatter bf16 max, one element per block", same(3), DType::kBF16, 1, 3, 1,
+                OwnedBlocks(3, 1, 1)});
+  cs.back().mode = Mode::kLLBlocks;
+  cs.back().roots_only = true;
+  cs.push_back({"1gpu 4r ll-blocks reduce-scatter f32 real in==out", same(4), DType::kF32, 0, 4 * 3001, 512,
+                OwnedBlocks(4, 3001, 1), true, true});
+  cs.back().mode = Mode::kLLBlocks;
+  cs.back().roots_only = true;
+  cs.push_back({"1gpu 4r ll-blocks all-gather f16 in==out reversed launch", same(4), DType::kF16, 0, 4 * 777, 512,
+                OwnedBlocks(4, 777, 2), true});
+  cs.back().mode = Mode::kLLBlocks;
   cs.back().reverse_launch = true;
   cs.push_back({"1gpu 2r oneshot f32 real 4 MiB odd, 4 KiB chunks", same(2), DType::kF32, 0, (1 << 20) + 3, 1024,
                 SplitStars(2, (1 << 20) + 3, 4), false, true});

@@ -45,9 +45,10 @@ def _program(n, blk, itemsize, what):
     return S.make_schedule(n, n * blk, itemsize, segs, chunk_bytes=64 * 1024).program()
 
 
-def _call(v, program, comm_id):
+def _call(v, program, comm_id, in_place=False):
     rank = lax.axis_index("x").astype(jnp.int32)
-    call = jax.ffi.ffi_call("jax_blink_collective", jax.ShapeDtypeStruct(v.shape, v.dtype), has_side_effect=True)
+    call = jax.ffi.ffi_call("jax_blink_collective", jax.ShapeDtypeStruct(v.shape, v.dtype), has_side_effect=True,
+                            input_output_aliases={0: 0} if in_place else None)
     return call(v, rank, jnp.int32(0), program=program, op=np.int32(0), comm_id=np.int64(comm_id),
                 timeout_ms=np.int64(10_000), host_share=np.float32(0.0))
 
@@ -63,16 +64,19 @@ def _data(n, per_rank, dtype, seed):
     return np.asarray(jnp.asarray(rng.standard_normal((n, per_rank)), dtype))  # values the dtype holds
 
 
-def _by_hand(what, n, blk, dtype, seed):
-    """Every rank's result of one hand-made call: array (n, n * blk) of the dtype."""
+def _by_hand(what, n, blk, dtype, seed, operands=None, in_place=False):
+    """Every rank's result of one hand-made call: array (n, n * blk) of the dtype. ``operands``:
+    what each rank passes (default: the returned data itself); ``in_place``: the result aliases it."""
     assert _backends.register("gpu")
     mesh = Mesh(np.array(_gpus()[:n]), ("x",))
     per_rank = n * blk
     host = _data(n, per_rank, dtype, seed)
     program = _program(n, blk, np.dtype(dtype).itemsize, what)
     cid = next(_ids)
-    f = jax.jit(jax.shard_map(lambda v: _call(v, program, cid), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    x = jax.device_put(jnp.asarray(host.reshape(-1)), NamedSharding(mesh, P("x")))
+    f = jax.jit(jax.shard_map(lambda v: _call(v, program, cid, in_place), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
+    given = host if operands is None else operands(host)
+    x = jax.device_put(jnp.asarray(given.reshape(-1)), NamedSharding(mesh, P("x")))
     return host, np.asarray(f(x)).reshape(n, per_rank)
 
 
@@ -97,6 +101,29 @@ def test_ll_blocks_match_numpy(n, what, dtype, blk):
     host, got = _by_hand(what, n, blk, jnp.dtype(dtype), seed=blk + n)
     assert _ll_blocks_sites() - before == n, "every rank's site should run the LL blocks kernel"
     _check_by_hand(what, n, blk, host, got)
+    _blink_cuda.check()
+
+
+@pytest.mark.parametrize("n", _RANKS)
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_ll_all_gather_in_place_overwrites_the_other_blocks(n, dtype):
+    """In place (the result aliases the operand, as jax_blink.all_gather calls it): each rank passes
+    only its own block, every other block poisoned (NaN, or -7777 for int32); the kernel must
+    write every peer's block over the poison."""
+    blk = 1027
+
+    def poisoned(host):
+        out = host.copy()
+        for r in range(n):
+            for s in range(n):
+                if s != r:
+                    out[r, s * blk:(s + 1) * blk] = np.nan if out.dtype.kind == "f" else -7777
+        return out
+
+    before = _ll_blocks_sites()
+    host, got = _by_hand("allgather", n, blk, np.dtype(dtype), seed=31 + n, operands=poisoned, in_place=True)
+    assert _ll_blocks_sites() - before == n
+    _check_by_hand("allgather", n, blk, host, got)
     _blink_cuda.check()
 
 

@@ -740,7 +740,7 @@ __device__ bool oneshot_begin(const Params& p, Shared& sh) {
   if (peer) {
     sh.peer_base[tid] = reinterpret_cast<uint8_t*>(pb);
     sh.stg_peer[tid] = reinterpret_cast<uint8_t*>(sp);
-    sh.gave_up[tid] = ab;  // a peer that gave up already (this call or before): see ll_kernel's end
+    sh.gave_up[tid] = ab;  // a peer that gave up already (this call or before): fail_if_a_peer_gave_up
   }
   if (tid == 0) {
     sh.k = seq + 1;
@@ -762,6 +762,22 @@ __device__ void oneshot_end(const Params& p, const Shared& sh) {
   if (threadIdx.x == 0) seq[blockIdx.x] = sh.k;
   if (blockIdx.x == 0)
     for (int j = gridDim.x + threadIdx.x; j < p.stg_blocks; j += kThreads) seq[j] = sh.k;
+}
+
+// Every thread, at the end of an LL kernel: a peer that gave up (on this call or before) may have
+// written its lines first, so this call fails too, as the tree kernel's waits do, and the ranks
+// never disagree silently. Its abort marker was read in the prologue (sh.gave_up), not here: one
+// memory round trip less at the end of every call. A peer that gives up while this call runs is
+// seen by the waits (ll_wait) or by the next call, as one that gave up just after a read here
+// always was.
+__device__ void fail_if_a_peer_gave_up(const Params& p, Shared& sh) {
+  __syncthreads();
+  if (threadIdx.x == 0 && !sh.fail)
+    for (int src = 0; src < p.nranks; ++src)
+      if (src != p.rank && sh.gave_up[src] != 0u) {
+        fail_call(p, sh, kErrAborted, src, -1, 0, kAtOneShot, sh.gave_up[src]);
+        break;
+      }
 }
 
 // 8 bytes of `src` at line i (bytes [8i, 8i + 8) cut at `bytes`, zeros past the end).
@@ -885,18 +901,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_kernel(const Params p) {
       }
       if (ok) store_line(out, i, bytes, out8, acc.get());
     }
-    // A peer that gave up (on this call or before) may have written its lines first: this call
-    // fails too, as the tree kernel's waits do, so that the ranks never disagree silently. Its
-    // abort marker was read in the prologue (sh.gave_up), not here: one memory round trip less
-    // at the end of every call. A peer that gives up while this call runs is seen by the waits
-    // (ll_wait) or by the next call, as one that gave up just after a read here always was.
-    __syncthreads();
-    if (threadIdx.x == 0 && !sh.fail)
-      for (int src = 0; src < n; ++src)
-        if (src != me && sh.gave_up[src] != 0u) {
-          fail_call(p, sh, kErrAborted, src, -1, 0, kAtOneShot, sh.gave_up[src]);
-          break;
-        }
+    fail_if_a_peer_gave_up(p, sh);
   }
   oneshot_end(p, sh);
 }

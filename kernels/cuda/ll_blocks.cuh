@@ -84,14 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_blocks_kernel(const Params p) 
         }
       }
     }
-    // A peer that gave up may have written its lines first: fail this call too (as ll_kernel).
-    __syncthreads();
-    if (threadIdx.x == 0 && !sh.fail)
-      for (int src = 0; src < n; ++src)
-        if (src != me && sh.gave_up[src] != 0u) {
-          fail_call(p, sh, kErrAborted, src, -1, 0, kAtOneShot, sh.gave_up[src]);
-          break;
-        }
+    fail_if_a_peer_gave_up(p, sh);
   }
   oneshot_end(p, sh);
 }

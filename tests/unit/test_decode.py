@@ -58,6 +58,39 @@ def test_variants_equal_on_8_host_devices():
     assert bench.compare(ref[2:], out["other weights"][2:])["rel_rms"] > bench.REL_RMS_TOLERANCE
 
 
+def test_sequence_layout_equals_the_all_reduce_layout_on_8_host_devices():
+    """The sequence layout (each rank's rows of the residual stream; all-gathers and
+    reduce-scatters instead of all-reduces) decodes the same bits as the all-reduce layout under
+    psum, in every variant, from fresh random weights; jax_blink's calls replace the gathers and
+    scatters (the last gather, typed as replicated for the LM head, stays lax's)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    cfg = model.SIZES["tiny"]
+    tp, batch = 4, 8
+    mesh = jax.make_mesh((tp,), (model.AXIS,), devices=jax.devices()[:tp])
+    params = model.init_params(cfg, mesh, seed)
+    rep = NamedSharding(mesh, P())
+    rng = np.random.default_rng(seed)
+    tokens = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab, batch), jnp.int32), rep)
+    forced = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab, (STEPS, batch)), jnp.int32), rep)
+    pos = jax.device_put(jnp.int32(cfg.context // 2), rep)
+    out = {}
+    for layout, variant in (("allreduce", "psum"), ("sequence", "psum"), ("sequence", "blink"),
+                            ("sequence", "switch")):
+        args = (params, *model.init_cache(cfg, mesh, batch, seed + 1), tokens, forced, pos)
+        with model.lowering_context(variant):
+            compiled = model.decode_program(cfg, mesh, variant, STEPS, 1, layout).lower(*args).compile(
+                compiler_options=dict(bench.STRICT_BF16, xla_backend_optimization_level=0))
+        text = compiled.as_text()
+        if (layout, variant) == ("sequence", "blink"):  # 3 gathers and 3 scatters per layer (1 extra pair)
+            assert text.count('custom_call_target="jax_blink_collective') == 6
+        out[layout, variant] = [np.asarray(o.astype(jnp.float32)) for o in compiled(*args)]
+    ref = out["allreduce", "psum"]
+    assert np.isfinite(ref[3]).all() and np.std(ref[3]) > 0.1
+    for key, got in out.items():
+        for name, a, b in zip(("cache_k", "cache_v", "tokens", "logits"), got, ref):
+            np.testing.assert_array_equal(a, b, err_msg=f"{key} {name} differs from the all-reduce layout's")
+
+
 def test_demand_and_verdict():
     assert bench.demand("cpu", 8, True, "blink") == "bitwise"
     assert bench.demand("gpu", 2, True, "switch") == "bitwise"
@@ -95,9 +128,31 @@ def test_bench_files_on_cpu(tmp_path, capsys):
         "python -m jax_blink.tools.decode")
 
 
+def test_bench_files_of_the_sequence_layout(tmp_path, capsys):
+    rc = main(["--size", "tiny", "--layers", "1", "--context", "8", "--tp", "2", "--batch", "2", "--layout",
+               "sequence", "--steps", "1", "--variants", "psum,blink,none", "--extra", "1", "--rounds", "2",
+               "--min-time", "0", "--strict-bf16", "--quick-compile", "-o", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "sequence layout: all-gather 256 B per rank, 3 per step, and reduce-scatter 512 B per rank" in printed
+    assert "AG+RS share" in printed and "checks against psum: all ok" in printed
+    stem = next(tmp_path.glob("decode-tiny-cpu-tp2-sequence-*.json")).with_suffix("")
+    assert json.loads(stem.with_suffix(".json").read_text())["meta"]["layout"] == "sequence"
+    with open(stem.with_suffix(".csv")) as f:
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"psum", "blink", "none", "psum+extra", "blink+extra"}
+    blink = rows["blink"]
+    assert blink["layout"] == "sequence" and blink["allreduce_bytes"] == "" and blink["allreduces_per_step"] == "0"
+    assert blink["allgather_bytes"] == str(1 * 128 * 2) and blink["reducescatter_bytes"] == str(2 * 128 * 2)
+    assert blink["allgathers_per_step"] == "3" and blink["reducescatters_per_step"] == "2"
+
+
 def test_bad_input_is_one_line(capsys):
     assert main(["--tp", "64", "--no-write"]) == 2
     assert main(["--variants", "blink", "--no-write"]) == 2
     assert main(["--size", "tiny", "--tp", "3", "--no-write"]) == 2  # 16 heads cannot split over 3
+    assert main(["--layout", "sequence", "--tp", "4", "--batch", "1,4", "--no-write"]) == 2  # 1 row over 4 ranks
+    assert main(["--layout", "rows", "--no-write"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("python -m jax_blink.tools.decode: error:") for line in err)
+    assert len(err) == 5 and all(line.startswith("python -m jax_blink.tools.decode: error:") for line in err)
+    assert "--batch 1 is not a multiple of --tp 4" in err[3]

@@ -3,13 +3,16 @@ bfloat16 weights) with its all-reduces done by ``lax.psum``, by ``jax_blink.all_
 under the switch, and not at all; every variant checked against psum's and timed in turns.
 
     python -m jax_blink.tools.decode --size tiny|8b --tp 2,4 --batch 1,4,16,64 --steps 8 -o DIR
+    python -m jax_blink.tools.decode --layout sequence --batch 4,16,64 ...   # all-gathers and reduce-scatters
 
 prints one table per (tp, batch): time per decode step, tokens per second, speedup over psum, the
 all-reduce's share of the step ((t - t(none)) / t), the all-reduce time per step, the marginal cost
 of one all-reduce ((t(+K per layer) - t) / (K x layers)), and the check against psum; then writes
 ``decode-<size>-<device kind>-tp<sizes>-<date>.{csv,json,txt,png}`` under ``-o`` (default
-``jax_blink_results`` in the current folder). A tensor-parallel size of n uses the first n
-devices. Exit status 1 if a check failed (the results are written first), 2 for bad input.
+``jax_blink_results`` in the current folder; ``-sequence`` before the date for that layout). A
+tensor-parallel size of n uses the first n devices. ``--layout sequence`` keeps each rank's rows of
+the residual stream and replaces each all-reduce by an all-gather before the column-parallel
+projections and a reduce-scatter after the row-parallel ones (each batch a multiple of every tp). Exit status 1 if a check failed (the results are written first), 2 for bad input.
 
 Without a GPU the devices are CPU host devices (8 unless ``--host-devices`` or ``XLA_FLAGS`` says
 otherwise).
@@ -65,7 +68,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=whole_number(1), default=8,
                    help="decode steps (tokens) per timed call (default 8)")
     p.add_argument("--extra", type=whole_number(0), default=1,
-                   help="extra all-reduces per layer in the marginal-cost variants (0: none; default 1)")
+                   help="extra all-reduces (sequence layout: all-gather and reduce-scatter pairs) per layer in "
+                        "the marginal-cost variants (0: none; default 1)")
+    p.add_argument("--layout", default="allreduce", choices=("allreduce", "sequence"),
+                   help="allreduce (default: the residual stream whole on every rank) or sequence (each rank's "
+                        "rows; all-gathers and reduce-scatters instead of all-reduces)")
     p.add_argument("--variants", type=_variants, default=list(VARIANTS),
                    help=f"which of {','.join(VARIANTS)} to run (default all)")
     p.add_argument("--rounds", type=whole_number(1), default=10,
@@ -117,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tp < 2:
                 raise UsageError(f"--tp {tp}: tensor parallelism needs 2 or more devices")
             cfg.check(tp)  # ValueError: one line, exit 2
+            uneven = [b for b in a.batch if a.layout == "sequence" and b % tp]
+            if uneven:
+                raise UsageError(f"--layout sequence splits each batch's rows over the tp ranks: --batch {uneven[0]} "
+                                 f"is not a multiple of --tp {tp}")
         if a.steps > cfg.context:
             raise UsageError(f"--steps {a.steps} exceeds the cache's {cfg.context} positions: raise --context")
         lines: list[str] = []
@@ -130,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"devices: {len(devices)} x {kind} ({devices[0].platform}); jax {jax.__version__}"
             + (f"; {note}" if devices[0].platform == "cpu" else ""))
         say(f"model: {a.size} {cfg}, {cfg.parameters():,} parameters, bfloat16, random weights; "
-            f"{a.steps} tokens per call; dispatch={a.dispatch}"
+            f"{a.steps} tokens per call; {a.layout} layout; dispatch={a.dispatch}"
             + ("; compiled with xla_allow_excess_precision=false" if a.strict_bf16 else ""))
         rows = []
         for tp in a.tp:
@@ -138,15 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   runs=a.rounds, min_seconds=a.min_time, dispatch=a.dispatch,
                                   strict_bf16=a.strict_bf16,
                                   compiler_options={"xla_backend_optimization_level": 0} if a.quick_compile else None,
-                                  seed=a.seed, say=say)
+                                  seed=a.seed, say=say, layout=a.layout)
         failed = [f"tp={r['tp']} batch={r['batch']} {r['variant']}: {r['check']}" for r in rows
                   if r["check"].startswith("FAILED")]
         say("checks against psum: " + ("all ok" if not failed else "; ".join(failed)))
         if not a.no_write:
             meta = bench.metadata(cfg, a.size, devices, argv, steps=a.steps, extra=a.extra, rounds=a.rounds,
                                   min_time_s=a.min_time, dispatch=a.dispatch, strict_bf16=a.strict_bf16,
-                                  quick_compile=a.quick_compile)
-            stem = (f"decode-{a.size}-{bench.slug(kind)}-tp{'-'.join(map(str, a.tp))}-"
+                                  quick_compile=a.quick_compile, layout=a.layout)
+            layout = "-sequence" if a.layout == "sequence" else ""
+            stem = (f"decode-{a.size}-{bench.slug(kind)}-tp{'-'.join(map(str, a.tp))}{layout}-"
                     f"{_dt.date.today().isoformat()}")
             paths = bench.write(Path(a.out or DEFAULT_OUT), stem, meta, rows, "\n".join(lines))
             print("wrote " + ", ".join(str(p.absolute()) for p in paths))

@@ -14,7 +14,10 @@ timed:
 Derived per (tp, batch): tokens per second (batch x steps / call time), the speedup over psum's,
 the all-reduce's share of the step ((t - t(none)) / t: ``none`` is the same step with the
 all-reduces replaced by the identity) and the marginal cost of one all-reduce inside the step
-((t(variant + K extra all-reduces per layer) - t(variant)) / (K x layers)).
+((t(variant + K extra all-reduces per layer) - t(variant)) / (K x layers)). In the ``sequence``
+layout the same keys (``allreduce_share``, ``allreduce_us_per_step``, ``marginal_us_per_allreduce``)
+hold the all-gathers' and reduce-scatters' share, their time per step, and one extra all-gather
+and reduce-scatter pair's marginal cost; the table names them so.
 """
 from __future__ import annotations
 
@@ -65,11 +68,11 @@ class Program:
 
 
 def compile_program(cfg: _model.Config, mesh, variant: str, steps: int, extra: int, args: tuple,
-                    dispatch: str, compiler_options: dict | None) -> Program:
-    """Lower ``variant`` under its context (:func:`jax_blink.tools.decode.model.lowering_context`)
-    and compile it."""
+                    dispatch: str, compiler_options: dict | None, layout: str = "allreduce") -> Program:
+    """Lower ``variant`` in ``layout`` under its context
+    (:func:`jax_blink.tools.decode.model.lowering_context`) and compile it."""
     with _model.lowering_context(variant, dispatch):
-        lowered = _model.decode_program(cfg, mesh, variant, steps, extra).lower(*args)
+        lowered = _model.decode_program(cfg, mesh, variant, steps, extra, layout).lower(*args)
         compiled = lowered.compile(compiler_options=compiler_options)
     text = compiled.as_text()
     return Program(extra_name(variant) if extra else variant, variant, extra, compiled,
@@ -119,7 +122,7 @@ def demand(platform: str, tp: int, strict_bf16: bool, name: str) -> str:
 def verdict(result: dict, wanted: str) -> str:
     """``ok`` if ``result`` (:func:`compare`) meets ``wanted`` (:func:`demand`), else ``FAILED``."""
     if wanted == "differs":
-        return "ok (not checked: no all-reduce)"
+        return "ok (not checked: no collectives)"
     if wanted == "bitwise":
         return "ok (bitwise)" if result["bitwise"] else "FAILED (bitwise demanded)"
     if result["bitwise"]:
@@ -193,11 +196,15 @@ def time_programs(programs: dict[str, Program], cfg, mesh, params, batch: int, s
 def measure(cfg: _model.Config, devices: Sequence, tp: int, batches: Sequence[int], *, steps: int,
             variants: Sequence[str], extra: int, runs: int, min_seconds: float, dispatch: str,
             strict_bf16: bool, compiler_options: dict | None = None, seed: int = 0,
-            say: Callable[[str], None] = print) -> list[dict]:
-    """The rows of one tensor-parallel size: per batch and program, its times, check and derived
-    numbers (see the module's docstring)."""
+            say: Callable[[str], None] = print, layout: str = "allreduce") -> list[dict]:
+    """The rows of one tensor-parallel size in one layout (:data:`jax_blink.tools.decode.model.LAYOUTS`):
+    per batch and program, its times, check and derived numbers (see the module's docstring)."""
     if "psum" not in variants:
         raise ValueError("the variants must include psum: every check and speedup is against it")
+    uneven = [b for b in batches if layout == "sequence" and b % tp]
+    if uneven:
+        raise ValueError(f"the sequence layout splits each batch's rows over tp={tp}: batch {uneven[0]} is not a "
+                         f"multiple of {tp}")
     mesh = jax.make_mesh((tp,), (_model.AXIS,), devices=list(devices[:tp]))
     params = _model.init_params(cfg, mesh, seed)
     options = dict(compiler_options or {}, **(STRICT_BF16 if strict_bf16 else {}))
@@ -215,21 +222,31 @@ def measure(cfg: _model.Config, devices: Sequence, tp: int, batches: Sequence[in
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
         programs: dict[str, Program] = {}
         for v in variants:
-            programs[v] = compile_program(cfg, mesh, v, steps, 0, args, dispatch, options)
+            programs[v] = compile_program(cfg, mesh, v, steps, 0, args, dispatch, options, layout)
         if extra:
             for v in variants:
                 if v in ("psum", "blink"):
-                    programs[extra_name(v)] = compile_program(cfg, mesh, v, steps, extra, args, dispatch, options)
+                    programs[extra_name(v)] = compile_program(cfg, mesh, v, steps, extra, args, dispatch, options,
+                                                              layout)
         checks = check_programs(programs, cfg, mesh, params, batch, steps, pos, strict_bf16, seed + 7)
         times = time_programs(programs, cfg, mesh, params, batch, steps, pos, runs, min_seconds)
         med = {n: statistics.median(t) for n, t in times.items()}
+        sequence = layout == "sequence"
         for name, prog in programs.items():
             t = med[name]
-            row = {"device_kind": kind, "platform": platform, "tp": tp, "batch": batch, "variant": name,
+            row = {"device_kind": kind, "platform": platform, "tp": tp, "batch": batch, "layout": layout,
+                   "variant": name,
                    "extra_per_layer": prog.extra, "steps_per_call": steps, "runs": len(times[name]),
                    "call_ms": t * 1e3, "step_us": t / steps * 1e6, "tokens_per_s": batch * steps / t,
                    "spread": spread(times[name]), "speedup_vs_psum": med["psum"] / t,
-                   "allreduce_bytes": batch * cfg.hidden * 2, "allreduces_per_step": (2 + prog.extra) * cfg.layers,
+                   "allreduce_bytes": None if sequence else batch * cfg.hidden * 2,
+                   "allreduces_per_step": 0 if sequence else (2 + prog.extra) * cfg.layers,
+                   # sequence: per layer 2 + extra all-gathers of the rank's rows and as many
+                   # reduce-scatters of the whole batch's partial result, and one gather per token
+                   "allgather_bytes": batch // tp * cfg.hidden * 2 if sequence else None,
+                   "reducescatter_bytes": batch * cfg.hidden * 2 if sequence else None,
+                   "allgathers_per_step": (2 + prog.extra) * cfg.layers + 1 if sequence else 0,
+                   "reducescatters_per_step": (2 + prog.extra) * cfg.layers if sequence else 0,
                    "xla_all_reduce_sites": prog.xla_all_reduces, "jax_blink_sites": prog.jax_blink_calls,
                    "allreduce_share": None, "allreduce_us_per_step": None, "marginal_us_per_allreduce": None,
                    "check": checks[name]["verdict"], "rel_rms_vs_psum": checks[name]["rel_rms"],
@@ -246,18 +263,24 @@ def measure(cfg: _model.Config, devices: Sequence, tp: int, batches: Sequence[in
 
 def table(rows: list[dict], tp: int, batch: int, kind: str, cfg: _model.Config) -> str:
     """The rows of one (tp, batch) as text, every number named."""
-    ar = rows[0]["allreduce_bytes"]
-    lines = [f"tp={tp} batch={batch} ({tp} x {kind}, measured; bfloat16; all-reduce {ar} B per rank, "
-             f"{2 * cfg.layers} per step; medians of {rows[0]['runs']} calls of {rows[0]['steps_per_call']} steps "
-             "taken in turns)",
+    r0 = rows[0]
+    if r0.get("layout") == "sequence":
+        what = (f"sequence layout: all-gather {r0['allgather_bytes']} B per rank, {r0['allgathers_per_step']} per step, "
+                f"and reduce-scatter {r0['reducescatter_bytes']} B per rank, {r0['reducescatters_per_step']} per step")
+        c, one = "AG+RS", "AG+RS"  # the comm's share and time; one extra all-gather and reduce-scatter pair
+    else:
+        what = f"all-reduce {r0['allreduce_bytes']} B per rank, {2 * cfg.layers} per step"
+        c, one = "AR", "AR"
+    lines = [f"tp={tp} batch={batch} ({tp} x {kind}, measured; bfloat16; {what}; medians of {r0['runs']} calls "
+             f"of {r0['steps_per_call']} steps taken in turns)",
              f"  {'variant':>13} {'step (us)':>10} {'tokens/s':>10} {'vs psum':>8} {'spread':>7} "
-             f"{'AR share':>8} {'AR us/step':>10} {'1 AR (us)':>9}  check"]
+             f"{c + ' share':>11} {c + ' us/step':>13} {'1 ' + one + ' (us)':>12}  check"]
     for r in rows:
         share = "" if r["allreduce_share"] is None else f"{r['allreduce_share']:.1%}"
         per = "" if r["allreduce_us_per_step"] is None else f"{r['allreduce_us_per_step']:.1f}"
         marg = "" if r["marginal_us_per_allreduce"] is None else f"{r['marginal_us_per_allreduce']:.2f}"
         lines.append(f"  {r['variant']:>13} {r['step_us']:10.1f} {r['tokens_per_s']:10.1f} "
-                     f"{r['speedup_vs_psum']:7.3f}x {r['spread']:7.1%} {share:>8} {per:>10} {marg:>9}  {r['check']}")
+                     f"{r['speedup_vs_psum']:7.3f}x {r['spread']:7.1%} {share:>11} {per:>13} {marg:>12}  {r['check']}")
     return "\n".join(lines)
 
 
@@ -320,7 +343,8 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     a.set_ylabel("tokens per second (measured)")
     b.axhline(1.0, color="grey", lw=0.8)
     b.set_ylabel("speedup over psum (tokens/s ratio)")
-    fig.suptitle(f"decode, {meta['size']} bfloat16, {meta['device_kind']} ({meta['platform']}), "
+    layout = "" if meta.get("layout", "allreduce") == "allreduce" else f", {meta['layout']} layout"
+    fig.suptitle(f"decode{layout}, {meta['size']} bfloat16, {meta['device_kind']} ({meta['platform']}), "
                  f"{meta['date'][:10]}, jax {meta['jax']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -21,6 +21,14 @@ What sums the row-parallel partial results is the only thing that changes betwee
 (:data:`VARIANTS`); ``extra`` adds K all-reduces per layer that leave the numbers unchanged (a
 masked sum: rank 0's copy of the residual stream plus zeros) to measure one all-reduce's marginal
 cost inside the step.
+
+The ``sequence`` layout (:data:`LAYOUTS`; Megatron's sequence parallelism, over the batch's rows
+in decoding) keeps each rank's ``batch / tp`` rows of the residual stream: the RMSNorms run on
+them, an all-gather gives the column-parallel projections the whole batch, and a reduce-scatter
+takes the row-parallel partial results back to the rank's rows, in place of each all-reduce; the
+LM head reads the rows gathered once more per token (by ``lax.all_gather`` typed as replicated,
+in every variant, since the head's result must be). ``extra`` then adds K all-gather and reduce-scatter
+pairs per layer (the gathered stream masked to rank 0's copy, scattered back: exact).
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_blink.api.collectives import all_reduce
+from jax_blink.api.collectives import all_gather, all_reduce, reduce_scatter
 from jax_blink.options.settings import override
 
 AXIS = "tp"
@@ -44,6 +52,9 @@ AXIS = "tp"
 #: - ``switch``: the ``psum`` program unedited, lowered under ``jax_blink.installed()``;
 #: - ``none``: the identity (wrong numbers, the same compute): the step without its all-reduces.
 VARIANTS = ("psum", "blink", "switch", "none")
+#: Where the residual stream lives: ``allreduce`` (whole on every rank, an all-reduce after each
+#: row-parallel layer) or ``sequence`` (each rank's rows; all-gather and reduce-scatter instead).
+LAYOUTS = ("allreduce", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +193,24 @@ def reducer(variant: str) -> Callable[[jax.Array], jax.Array]:
     raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
-def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable:
+def gather_scatter(variant: str, tp: int) -> tuple[Callable, Callable]:
+    """The ``sequence`` layout's all-gather of the rank's rows (along dimension 0) and
+    reduce-scatter of a row-parallel partial result back to them, as ``variant`` computes them
+    (``none``: the rank's rows repeated, and its own rows of the unsummed result)."""
+    if variant in ("psum", "switch"):
+        return (lambda x: lax.all_gather(x, AXIS, tiled=True),
+                lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True))
+    if variant == "blink":
+        return (lambda x: all_gather(x, AXIS, tiled=True),
+                lambda y: reduce_scatter(y, AXIS, scatter_dimension=0, tiled=True))
+    if variant == "none":
+        return (lambda x: jnp.concatenate([x] * tp, axis=0),
+                lambda y: lax.dynamic_slice_in_dim(y, lax.axis_index(AXIS) * (y.shape[0] // tp), y.shape[0] // tp))
+    raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+
+
+def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0, layout: str = "allreduce",
+              tp: int = 1) -> Callable:
     """The per-rank body: ``(params, cache_k, cache_v, tokens, forced, pos) -> (cache_k, cache_v,
     greedy tokens [steps, batch], logits of the last step [batch, vocab] float32)``.
 
@@ -198,9 +226,16 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable
         extra: all-reduces added per layer that leave the numbers unchanged, each a sum over
             ``"tp"`` of the residual stream masked to rank 0 (rank 0's copy plus zeros: exact in any
             order and accumulation): the step pays for ``extra`` more all-reduces of
-            ``batch x hidden`` per layer, on its critical path.
+            ``batch x hidden`` per layer, on its critical path (``sequence``: all-gather and
+            reduce-scatter pairs).
+        layout: one of :data:`LAYOUTS`.
+        tp: the tensor-parallel size (``sequence``: ``batch`` must be a multiple of it).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    sequence = layout == "sequence"
     reduce = reducer(variant)
+    gather, scatter = gather_scatter(variant, tp) if sequence else (None, None)
     hd, eps = cfg.head_dim, cfg.norm_eps
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
 
@@ -214,6 +249,8 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable
             x, ck, cv, p, cos, sin = carry
             l = w["index"]
             h = _rmsnorm(x, w["ln1"], eps)
+            if sequence:  # the rank's rows, normalised; the projections take the whole batch
+                h = gather(h)
             qkv = h @ w["wqkv"][0]
             q = _rope(qkv[:, : q_l * hd].reshape(batch, q_l, hd), cos, sin)
             k = _rope(qkv[:, q_l * hd: (q_l + kv_l) * hd].reshape(batch, kv_l, hd), cos, sin)
@@ -227,6 +264,15 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable
             s = jnp.where(positions <= p, s, -jnp.inf)
             a = jax.nn.softmax(s, axis=-1).astype(x.dtype)
             o = jnp.einsum("bkgs,bskd->bkgd", a, values).reshape(batch, q_l * hd)
+            if sequence:
+                x = x + scatter(o @ w["wo"][0])  # row-parallel output projection, to the rank's rows
+                h = gather(_rmsnorm(x, w["ln2"], eps))
+                gate, up = jnp.split(h @ w["wgu"][0], 2, axis=-1)
+                x = x + scatter((jax.nn.silu(gate) * up) @ w["wd"][0])
+                for _ in range(extra):
+                    whole = gather(x)
+                    x = scatter(jnp.where(lax.axis_index(AXIS) == 0, whole, jnp.zeros_like(whole)))
+                return (x, ck, cv, p, cos, sin), None
             x = x + reduce(o @ w["wo"][0])  # row-parallel output projection, then the all-reduce
             h = _rmsnorm(x, w["ln2"], eps)
             gate, up = jnp.split(h @ w["wgu"][0], 2, axis=-1)
@@ -243,7 +289,12 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable
             p = pos + t
             angle = p.astype(jnp.float32) * inv_freq
             x = params["embed"][tok]
+            if sequence:  # the rank's rows of the residual stream
+                x = lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * (batch // tp), batch // tp)
             (x, ck, cv, *_), _ = lax.scan(layer, (x, ck, cv, p, jnp.cos(angle), jnp.sin(angle)), layers)
+            if sequence:  # the whole batch for the replicated LM head, typed as replicated (lax's own)
+                x = (jnp.concatenate([x] * tp, axis=0) if variant == "none"
+                     else lax.all_gather(x, AXIS, tiled=True, to="invarying"))
             logits = (_rmsnorm(x, params["ln_f"], eps) @ params["head"]).astype(jnp.float32)
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             nxt = jnp.where(forced[t] >= 0, forced[t], greedy)
@@ -257,13 +308,14 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0) -> Callable
     return body
 
 
-def decode_program(cfg: Config, mesh: Mesh, variant: str, steps: int, extra: int = 0) -> Callable:
+def decode_program(cfg: Config, mesh: Mesh, variant: str, steps: int, extra: int = 0,
+                   layout: str = "allreduce") -> Callable:
     """The jitted ``shard_map`` of :func:`decode_fn` over ``mesh``'s ``"tp"`` axis, the cache donated
     (updated in place, call after call). Not yet traced: see :func:`lowering_context`."""
     specs = param_specs()
     # `none` leaves each rank's residual stream its own: shard_map may not check replication.
     check = variant != "none"
-    fn = jax.shard_map(decode_fn(cfg, variant, steps, extra), mesh=mesh,
+    fn = jax.shard_map(decode_fn(cfg, variant, steps, extra, layout, mesh.shape[AXIS]), mesh=mesh,
                        in_specs=(specs, CACHE_SPEC, CACHE_SPEC, P(), P(), P()),
                        out_specs=(CACHE_SPEC, CACHE_SPEC, P(), P()), check_vma=check)
     return jax.jit(fn, donate_argnums=(1, 2))

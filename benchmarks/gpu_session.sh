@@ -32,7 +32,8 @@
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto
 # times the modes as users get them (buckets psum was measured faster for go to psum); TRAIN_ASYNC_BLOCKS="8 12"
 # adds a GPT-2 run per overlapped grid size, 1.5 min each);
-# decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes); schedule
+# decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes; DECODE_BATCH,
+# DECODE_LAYOUT=sequence for all-gathers and reduce-scatters, batches a multiple of every tp); schedule
 # prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -191,7 +192,8 @@ PY
     decode)  # issue 29: decode steps of the Llama-shaped model, tp = DECODE_TP
       log decode
       timeout -k 5 300 python3 -m jax_blink.tools.decode --size 8b --layers 8 --tp "${DECODE_TP:-2,4}" \
-        --batch 1,4,16,64 --rounds 6 -o "$OUT/decode" > "$OUT/decode.log" 2>&1
+        --batch "${DECODE_BATCH:-1,4,16,64}" --layout "${DECODE_LAYOUT:-allreduce}" --rounds 6 \
+        -o "$OUT/decode" > "$OUT/decode.log" 2>&1
       echo "decode rc=$?" | tee -a "$OUT/session.log"; grep -E "^tp=|psum |blink |switch |none " "$OUT/decode.log" ;;
     schedule)  # issue 28: where XLA placed the overlapped starts and dones
       log schedule

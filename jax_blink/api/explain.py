@@ -14,7 +14,7 @@ from jax_blink.lowering.mesh import device_kind as _device_kind, platform as _pl
 from jax_blink.lowering.decision import LAX_NAME as _LAX_NAME
 from jax_blink.options import AUTO, config, env_value, parse_byte_count
 from jax_blink.planning import schedule as _schedule
-from jax_blink.planning.forms import LL_MAX_BYTES, ONESHOT_MAX_BYTES
+from jax_blink.planning.forms import LL_MAX_BYTES, ONESHOT_MAX_BYTES, runs_ll_blocks
 from jax_blink.planning.packing import hybrid_share, plan as _plan
 from jax_blink.planning.topology import NVLINK_EFFICIENCY, Topology
 from jax_blink.api.collectives import check_root
@@ -77,7 +77,7 @@ def _executor_line(platform: str, collective: str, n: int, nbytes: int, switch: 
     if collective in ("allgather", "reducescatter"):
         # A rank's block: an all-gather's operand, a reduce-scatter's operand over n.
         block = nbytes if collective == "allgather" else (nbytes // n if nbytes % n == 0 else 0)
-        if 2 <= n <= 8 and 0 < block <= _executor_bytes("JAX_BLINK_LL_BYTES"):
+        if runs_ll_blocks(n, block, _executor_bytes("JAX_BLINK_LL_BYTES")):
             return (f"CUDA executor: {nbytes} bytes per rank on {n} GPUs run as one LL kernel (every rank writes "
                     f"each peer only the {block}-byte block it needs, data and flag in one 8-byte store, one hop; "
                     "blocks up to JAX_BLINK_LL_BYTES), not the trees below")

@@ -417,12 +417,12 @@ def runs_ll(n: int, nbytes: float) -> bool:
     return n <= LL_MAX_RANKS and nbytes <= LL_MAX_BYTES
 
 
-def runs_ll_blocks(n: int, block_bytes: float) -> bool:
+def runs_ll_blocks(n: int, block_bytes: float, ll_max: int = LL_MAX_BYTES) -> bool:
     """Whether the CUDA executor runs a reduce-scatter or all-gather whose ranks' blocks hold
     ``block_bytes`` each, on ``n`` GPUs of one process, as its LL blocks kernel (every rank writes
-    each peer only the block that peer needs, in one hop): blocks of at most the LL limit each,
-    with the default limits."""
-    return 2 <= n <= LL_MAX_RANKS and 0 < block_bytes <= LL_MAX_BYTES
+    each peer only the block that peer needs, in one hop): blocks of at most the LL limit each
+    (``ll_max``: the default limit, or what ``JAX_BLINK_LL_BYTES`` sets)."""
+    return 2 <= n <= LL_MAX_RANKS and 0 < block_bytes <= ll_max
 
 
 def _one_hop(topology: Topology, nbytes: float) -> tuple[float, str] | None:

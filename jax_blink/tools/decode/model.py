@@ -293,8 +293,7 @@ def decode_fn(cfg: Config, variant: str, steps: int, extra: int = 0, layout: str
                 x = lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * (batch // tp), batch // tp)
             (x, ck, cv, *_), _ = lax.scan(layer, (x, ck, cv, p, jnp.cos(angle), jnp.sin(angle)), layers)
             if sequence:  # the whole batch for the replicated LM head, typed as replicated (lax's own)
-                x = (jnp.concatenate([x] * tp, axis=0) if variant == "none"
-                     else lax.all_gather(x, AXIS, tiled=True, to="invarying"))
+                x = gather(x) if variant == "none" else lax.all_gather(x, AXIS, tiled=True, to="invarying")
             logits = (_rmsnorm(x, params["ln_f"], eps) @ params["head"]).astype(jnp.float32)
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             nxt = jnp.where(forced[t] >= 0, forced[t], greedy)

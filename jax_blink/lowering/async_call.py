@@ -68,7 +68,7 @@ def runs_async(platform: str) -> bool:
 
 
 def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exact", result_type=None,
-               platform: str | None = None, full_grid: bool = False):
+               platform: str | None = None, full_grid: bool = False, sub=None):
     """Start an all-reduce of the flat operand ``flat`` over ``axes``.
 
     Args:
@@ -81,6 +81,9 @@ def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exa
         platform: The platform being lowered for (default: the current one).
         full_grid: Run on the executor's whole grid (a communicator of its own), not the small
             asynchronous one: for the last bucket of a step, when nothing is left to overlap.
+        sub: The ranks as a :class:`jax_blink.lowering.hierarchy.SubGroup` (its ``n``, ``rank`` and
+            ``group``) instead of ``axes``: the switch's lowering rules, which see no axis
+            environment, give this device's rank from its mesh position.
 
     Returns:
         ``(passed, result, site)``: the operand handed back, the result (in flight until the done),
@@ -89,11 +92,13 @@ def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exa
     platform = platform or current_platform()
     if not runs_async(platform):
         result = _custom_call.collective_call(flat, axes, "allreduce", op=op, topology=topology,
-                                              method=method, result_type=result_type, platform=platform)
+                                              method=method, result_type=result_type, platform=platform,
+                                              sub=sub)
         return flat, result, Site(None, platform)
     config.validate()
-    n = axis_size(axes)
-    topo = _custom_call.topology_for(n, platform, topology, axes)
+    n = axis_size(axes) if sub is None else sub.n
+    topo = (_custom_call.topology_for(n, platform, topology, axes) if sub is None
+            else _custom_call.topology_for(n, platform, topology))
     itemsize = np.dtype(flat.dtype).itemsize
     chunk = _custom_call.chunk_bytes_for("allreduce", n, int(flat.size) * itemsize, flat.dtype)
     program = _custom_call.build_program(topo, "allreduce", None, int(flat.size), itemsize, chunk, method)
@@ -105,7 +110,9 @@ def start_call(flat, axes, *, op: str = "sum", topology=None, method: str = "exa
     # its results are used (done consumes both), so XLA neither drops nor duplicates it.
     call = jax.ffi.ffi_call(TARGET_START, (passed_type, result_type), has_side_effect=False,
                             input_output_aliases={0: 0})
-    passed, result = call(flat, axis_index(axes).astype(np.int32), group_index(axes),
+    rank = axis_index(axes).astype(np.int32) if sub is None else sub.rank
+    group = group_index(axes) if sub is None else sub.group
+    passed, result = call(flat, rank, group,
                           program=program, op=np.int32(_schedule.OPS[op]), comm_id=np.int64(comm_id),
                           timeout_ms=np.int64(round(config.timeout_s * 1000)), full_grid=np.int32(full_grid))
     return passed, result, Site(comm_id, platform)

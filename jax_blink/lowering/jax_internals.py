@@ -258,9 +258,22 @@ from jax._src import core as _core  # noqa: E402
 SHARD_MAP_PRIMITIVE = _shard_map.shard_map_p
 
 
-def replace_eqns(jaxpr, eqns: list):
-    """``jaxpr`` (a core.Jaxpr) with ``eqns`` as its equations (same inputs, outputs, effects)."""
-    return jaxpr.replace(eqns=eqns)
+def replace_eqns(jaxpr, eqns: list, outvars: list | None = None):
+    """``jaxpr`` (a core.Jaxpr) with ``eqns`` as its equations (same inputs and effects; the same
+    outputs unless ``outvars`` names them)."""
+    return jaxpr.replace(eqns=eqns) if outvars is None else jaxpr.replace(eqns=eqns, outvars=outvars)
+
+
+def new_var(aval):
+    """A fresh jaxpr variable of abstract value ``aval``."""
+    return _core.Var(aval)
+
+
+def is_plain_array(aval) -> bool:
+    """Whether ``aval`` is an array of an ordinary dtype (not a token, a PRNG key, a reference)."""
+    import jax
+    return (isinstance(aval, _core.ShapedArray)
+            and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended))
 
 
 def new_eqn(invars: list, outvars: list, prim, params: dict, effects, like):

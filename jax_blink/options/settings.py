@@ -108,6 +108,12 @@ def _check_command_buffers(value) -> bool | str:
     return bool(value)
 
 
+def _check_switch_overlap(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"switch_overlap must be True or False, {_got(value)}")
+    return bool(value)
+
+
 def _check_merge_bytes(value) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"merge_bytes must be a whole number of bytes, {_got(value)}")
@@ -127,6 +133,7 @@ _CHECKS = {
     "command_buffers": _check_command_buffers,
     "dispatch": _choice("dispatch", _DISPATCH),
     "allreduce_form": _choice("allreduce_form", ALLREDUCE_FORMS),
+    "switch_overlap": _check_switch_overlap,
 }
 
 
@@ -167,6 +174,10 @@ class Options:
         merge_bytes: Under the switch, adjacent all-reduces of one dtype merge into calls of at
             most this many bytes per rank; 0 turns merging off (``JAX_BLINK_MERGE_BYTES``,
             default 25 MiB, as DDP's buckets).
+        switch_overlap: Under the switch, start the gradient all-reduces of a ``shard_map`` body
+            in buckets as soon as their operands exist, and wait where the results are first
+            read, so that they run beside the backward pass (``JAX_BLINK_SWITCH_OVERLAP``,
+            default True; :mod:`jax_blink.switch.overlap`).
 
     Raises:
         TypeError: An assigned value of the wrong type.
@@ -180,6 +191,7 @@ class Options:
     command_buffers: bool | str = AUTO  # True, False, or "auto": the one-hop all-reduces
     dispatch: str = "auto"
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
+    switch_overlap: bool = True  # the switch: gradient all-reduces started inside the backward pass
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
 
     def __setattr__(self, name: str, value) -> None:
@@ -250,6 +262,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_FALLBACK": ("fallback", str.lower, " / ".join(_FALLBACKS)),
     "JAX_BLINK_MERGE_BYTES": ("merge_bytes", parse_byte_count, "a number of bytes >= 0 (0: no merging; 25M by default)"),
     "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),
+    "JAX_BLINK_SWITCH_OVERLAP": ("switch_overlap", _parse_flag, "1/true/yes/on or 0/false/no/off"),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # folder of tuned dispatch entries (dispatch_cache.py), the

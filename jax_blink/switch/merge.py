@@ -45,8 +45,9 @@ merged_all_reduce_p.def_impl(_never_evaluated)
 merged_all_reduce_p.def_abstract_eval(_never_evaluated)
 
 
-def _key(eqn):
-    """What equations of one run share (None: the equation cannot join a run)."""
+def all_reduce_key(eqn):
+    """What equations of one run share: (the switch's name for the primitive, its parameters as
+    sorted items); None where the equation cannot join a run."""
     name = _NAME_OF.get(eqn.primitive)
     if name is None or len(eqn.invars) != 1:
         return None
@@ -81,7 +82,7 @@ def merge_all_reduces(jaxpr):
             out.extend(run)
 
     for eqn in jaxpr.eqns:
-        key = _key(eqn)
+        key = all_reduce_key(eqn)
         reads_run = any(_jx.is_var(v) and v in run_outs for v in eqn.invars)
         if key is not None and key == run_key and not reads_run:
             run.append(eqn)
@@ -119,4 +120,4 @@ def merge_groups(avals, cap_bytes: int) -> list[list[int]]:
     return groups
 
 
-__all__ = ["MERGEABLE", "merge_all_reduces", "merge_groups", "merged_all_reduce_p"]
+__all__ = ["MERGEABLE", "all_reduce_key", "merge_all_reduces", "merge_groups", "merged_all_reduce_p"]

@@ -51,6 +51,8 @@ from jax_blink.lowering import decision as _decision
 from jax_blink.lowering import processes as _distributed
 from jax_blink.options import config
 from jax_blink.switch import merge as _merge
+from jax_blink.switch import overlap as _overlap
+from jax_blink.lowering import async_call as _async
 from jax_blink.lowering import call_order as _call_order
 from jax_blink.lowering.call_order import CHAIN as _chain, chains_on_cpu as _chains_on_cpu
 from jax_blink.lowering.hierarchy import SubGroup
@@ -67,6 +69,8 @@ _saved: dict[tuple[str, str], object] = {}  # (primitive name, platform) -> the 
 _was_uncacheable: dict[str, bool] = {}
 _installed = False
 _decisions: collections.deque = collections.deque(maxlen=10_000)
+_rewrites: collections.deque = collections.deque(maxlen=1_000)  # the overlap's word on the bodies it rewrote or could not
+_sites: dict[int, object] = {}  # an overlapped bucket's id -> its start's Site (None: XLA's all-reduce)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,9 @@ class SwitchRecord:
         runs_on: ``"jax_blink"`` or ``"xla"``.
         reason: Why.
         operands: How many operands of adjacent psums were merged into this one call.
+        overlapped: The call is one bucket of all-reduces that the switch started as soon as their
+            operands existed and awaited where their results are first read
+            (:mod:`jax_blink.switch.overlap`, ``jax_blink.config.switch_overlap``).
     """
 
     primitive: str          # psum, psum_invariant, pmax, pmin, all_gather, all_gather_invariant, reduce_scatter
@@ -97,12 +104,17 @@ class SwitchRecord:
     runs_on: str            # "jax_blink" or "xla"
     reason: str             # why
     operands: int = 1       # operands of one pytree psum merged into this call (shape: all of them, flat)
+    overlapped: bool = False  # started early, awaited where first read (jax_blink.switch.overlap)
 
     def __str__(self) -> str:
         where = "jax_blink executor" if self.runs_on == "jax_blink" else "XLA's own collective"
         if self.operands > 1:
             where = (f"one jax_blink executor call for {self.operands} operands" if self.runs_on == "jax_blink"
                      else f"XLA's own collective for each of {self.operands} operands")
+        if self.overlapped:
+            where = (f"one jax_blink executor call for {self.operands} operand(s), started as they became "
+                     "ready" if self.runs_on == "jax_blink" else
+                     f"XLA's own collective of {self.operands} operand(s) concatenated, started as they became ready")
         ranks = f", {self.ranks} ranks" if self.ranks else ""
         return (f"{self.primitive} over {self.axes} of {self.dtype}{list(self.shape)}{ranks} on "
                 f"{self.platform}: {where} ({self.reason})")
@@ -142,10 +154,11 @@ def install() -> None:
                 # Each call site its own comm_id (the executors tell calls apart by it): jax must not
                 # emit one shared function for equal equations, which XLA:CPU may run at once.
                 _was_uncacheable[name] = _jx.set_uncacheable(prim, True)
-        for platform in LOWERING_PLATFORMS:  # a primitive of jax_blink's own: nothing replaced
-            _saved[("merged", platform)] = None
-            mlir.register_lowering(_merge.merged_all_reduce_p, _merged_rule(platform), platform=platform)
-        _was_uncacheable["merged"] = _jx.set_uncacheable(_merge.merged_all_reduce_p, True)  # as above
+        for name, (prim, make) in _own_primitives().items():  # jax_blink's own: nothing replaced
+            for platform in LOWERING_PLATFORMS:
+                _saved[(name, platform)] = None
+                mlir.register_lowering(prim, make(platform), platform=platform)
+            _was_uncacheable[name] = _jx.set_uncacheable(prim, True)  # as above
         _installed = True
         _call_order.set_switched(_jx.PRIMITIVES.values())
         jax.clear_caches()
@@ -160,7 +173,7 @@ def uninstall() -> None:
     with _lock:
         if not _installed:
             return
-        prims = dict(_rewritten_primitives(), merged=_merge.merged_all_reduce_p)
+        prims = dict(_rewritten_primitives(), **{name: prim for name, (prim, _) in _own_primitives().items()})
         for (name, platform), own in _saved.items():
             _jx.restore_rule(prims[name], platform, own)
         for name, was in _was_uncacheable.items():
@@ -218,15 +231,19 @@ def explain_lowering(fun, *args, **kwargs) -> str:
         **kwargs: Its keyword arguments.
 
     Returns:
-        One line per collective (see :class:`SwitchRecord`), or ``"no collective reached
+        One line per collective (see :class:`SwitchRecord`), then an ``overlap: ...`` line per
+        ``shard_map`` body whose all-reduces started early, or could have but for another
+        collective between them (:mod:`jax_blink.switch.overlap`), or ``"no collective reached
         lowering"``.
     """
     with _lock:
-        start = len(_decisions)
+        start, rewritten = len(_decisions), len(_rewrites)
         with installed():
             jax.jit(fun).lower(*args, **kwargs)
         made = list(_decisions)[start:]
-    return "\n".join(map(str, made)) or "no collective reached lowering"
+        reasons = list(_rewrites)[rewritten:]
+    lines = [*map(str, made), *(f"overlap: {r}" for r in reasons)] if made else []
+    return "\n".join(lines) or "no collective reached lowering"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,15 +280,23 @@ def _jit_rule(name: str, platform: str, replaced):
 def _shard_map_rule(name: str, platform: str, replaced):
     """A shard_map (or pmap) lowered as jax does, its body's runs of adjacent all-reduces of one
     kind and axes (what ``lax.psum(tree)`` binds: one equation per leaf) first merged into one
-    equation each (:mod:`jax_blink.switch.merge`), which :func:`_merged_rule` lowers as one call per dtype.
+    equation each (:mod:`jax_blink.switch.merge`), which :func:`_merged_rule` lowers as one call per dtype;
+    before that, with ``config.switch_overlap``, its gradient all-reduces become buckets started as
+    their operands exist (:mod:`jax_blink.switch.overlap`, :func:`_overlap_start_rule`).
     Only for a lowering for this platform alone, not for export: there every collective stays
     XLA's, and the merged primitive has no rule on other platforms."""
     del name
 
     def rule(ctx, *args, jaxpr, **params):
-        if (config.merge_bytes > 0 and _jx.lowering_platforms(ctx) == (platform,)
-                and not _jx.lowering_for_export(ctx)):
-            jaxpr = _merge.merge_all_reduces(jaxpr)
+        if _jx.lowering_platforms(ctx) == (platform,) and not _jx.lowering_for_export(ctx):
+            if config.switch_overlap:
+                rewrite = _overlap.overlap_all_reduces(jaxpr, config.merge_bytes)
+                if rewrite.buckets or rewrite.blocked:  # what explain_lowering says
+                    with _lock:
+                        _rewrites.append(rewrite.reason)
+                jaxpr = rewrite.jaxpr
+            if config.merge_bytes > 0:
+                jaxpr = _merge.merge_all_reduces(jaxpr)
         return replaced(ctx, *args, jaxpr=jaxpr, **params)
 
     rule.__name__ = "jax_blink_shard_map_lowering"
@@ -284,6 +309,14 @@ def _rewritten_primitives() -> list[tuple[str, object]]:
 
 
 _RULES = {"jit": _jit_rule, "shard_map": _shard_map_rule}  # the rest: _make_rule
+
+
+def _own_primitives() -> dict:
+    """name -> (primitive, rule maker) of the primitives that exist only in bodies the switch
+    rewrote before lowering them (merged runs, overlapped buckets)."""
+    return {"merged": (_merge.merged_all_reduce_p, _merged_rule),
+            "overlap_start": (_overlap.start_p, _overlap_start_rule),
+            "overlap_done": (_overlap.done_p, _overlap_done_rule)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,6 +534,99 @@ def _merged_rule(platform: str):
         return outs
 
     rule.__name__ = "jax_blink_merged_all_reduce_lowering"
+    return rule
+
+
+def _overlap_start_rule(platform: str):
+    """The lowering of one overlapped bucket's start (:data:`jax_blink.switch.overlap.start_p`): one
+    decision for the bucket as one flat operand of its total size, as for a merged run. On the
+    executor: the operands concatenated, :func:`jax_blink.lowering.async_call.start_call` (a side
+    stream on GPUs, the synchronous call elsewhere), and the held values tied to the start by an
+    ``optimization_barrier``. On XLA: its all-reduce of the concatenation, nothing held back (XLA
+    places its own collectives)."""
+
+    def rule(ctx, *args, bucket, name, params, count, last):
+        params = dict(params)
+        prim = _jx.PRIMITIVES[name]
+        own = _saved.get((name, platform))
+        replaced = _jx.rule_of(own if own is not None else _jx.generic_rule(prim))
+        result_aval, flat_aval = ctx.avals_out[0], ctx.avals_out[1]
+        operands, avals = args[:count], ctx.avals_in[:count]
+        sub = ctx.replace(primitive=prim, avals_in=list(avals), avals_out=[result_aval])
+        decision, plan = _decide(name, platform, sub, params, aval=flat_aval)
+        with _lock:
+            _decisions.append(dataclasses.replace(decision, operands=count, overlapped=True))
+
+        def joined(*xs):
+            return jax.numpy.concatenate([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+
+        if plan is None:
+            with _lock:
+                _sites[bucket] = None
+            flat, = mlir.lower_fun(joined, multiple_results=False)(
+                ctx.replace(primitive=None, avals_in=list(avals), avals_out=[flat_aval]), *operands)
+            result, = replaced(ctx.replace(primitive=prim, avals_in=[flat_aval], avals_out=[result_aval]),
+                               flat, **params)
+            return [result, flat, *args[count:]]
+
+        def body(*operands_held_position):
+            *values, position = operands_held_position
+            xs, held = values[:count], values[count:]
+            group = SubGroup(n=plan.n, rank=jax.numpy.asarray(plan.rank_of)[position],
+                             group=jax.numpy.asarray(plan.group_of)[position], devices=(),
+                             rank_process=None, rank_device=None)
+            flat = joined(*xs)
+            passed, result, site = _async.start_call(
+                flat, (), op=plan.op, platform=plan.exec_platform, full_grid=last, sub=group,
+                topology=custom_call.default_topology(plan.n, plan.exec_platform),
+                result_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+            with _lock:
+                _sites[bucket] = site
+            if held:
+                passed, held = lax.optimization_barrier((passed, list(held)))
+            return [result, passed, *held]
+
+        return _lower(ctx, body, *args, multiple_results=True)
+
+    rule.__name__ = "jax_blink_overlap_start_lowering"
+    return rule
+
+
+def _overlap_done_rule(platform: str):
+    """The lowering of the overlapped buckets' waits (:data:`jax_blink.switch.overlap.done_p`): per
+    bucket, :func:`jax_blink.lowering.async_call.done_call` after the token (XLA's stream waits for
+    the side stream; CPU: the result once the token exists), split back into the all-reduces'
+    results. The block's next jax_blink call waits for every bucket's wait."""
+    del platform
+
+    def rule(ctx, *args, ids, buckets, shapes):
+        token, token_aval = args[-1], ctx.avals_in[-1]
+        outs, waited = [], []
+        first = 0
+        for b, (bucket, count) in enumerate(zip(ids, buckets)):
+            result, passed = args[2 * b], args[2 * b + 1]
+            result_aval, passed_aval = ctx.avals_in[2 * b], ctx.avals_in[2 * b + 1]
+            with _lock:
+                site = _sites.pop(bucket, None)
+            avals = list(ctx.avals_out[first:first + count])
+            sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes[first:first + count]]
+
+            def body(result, passed, token, site=site, avals=avals, sizes=sizes):
+                done = result if site is None else _async.done_call(passed, result, token, site)
+                ends = np.cumsum(sizes)
+                return [done, *(lax.slice(done, (int(e - k),), (int(e),)).reshape(a.shape)
+                                for k, e, a in zip(sizes, ends, avals))]
+
+            sub = ctx.replace(primitive=None, avals_in=[result_aval, passed_aval, token_aval],
+                              avals_out=[result_aval, *avals])
+            done, *pieces = mlir.lower_fun(body, multiple_results=True)(sub, result, passed, token)
+            waited.append((done, result_aval))
+            outs += pieces
+            first += count
+        _chain.record(ctx, waited)
+        return outs
+
+    rule.__name__ = "jax_blink_overlap_done_lowering"
     return rule
 
 

@@ -44,3 +44,50 @@ def test_switch_on_gpus(name):
         got = np.asarray(compiled(x))
     assert TARGET in compiled.as_text()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+@pytest.mark.parametrize("pcast", [False, True])
+def test_switch_overlaps_a_training_steps_gradients(count, pcast):
+    """An unedited data-parallel step (``lax.psum`` of the gradients, or jax's own transposes of
+    parameters made varying) under the switch: its buckets start on the side stream inside the
+    backward pass (jax_blink_start / jax_blink_done in the compiled program) and the step gives
+    the unswitched step's numbers; small integers in float32 make every sum exact (bit for bit)."""
+    gpus = _gpus()
+    if len(gpus) < count or not jax_blink.backends()["gpu"]:
+        pytest.skip(f"needs {count}+ GPUs and the CUDA executor")
+    mesh = jax.make_mesh((count,), ("x",), devices=gpus[:count])
+    rng = np.random.default_rng(count)
+    params = [{"w": jnp.asarray(rng.integers(-1, 2, (64, 64)), jnp.float32),
+               "b": jnp.asarray(rng.integers(-1, 2, (64,)), jnp.float32)} for _ in range(6)]
+    x = jax.device_put(jnp.asarray(rng.integers(-2, 3, (count, 8, 64)), jnp.float32), NamedSharding(mesh, P("x")))
+
+    def loss(ps, v):
+        for layer in ps:
+            v = v @ layer["w"] + layer["b"]
+        return jnp.sum(v)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("x")), out_specs=P(), check_vma=pcast)
+    def step(ps, xs):
+        if pcast:
+            grads = jax.grad(lambda q: loss(jax.tree.map(lambda a: lax.pcast(a, "x", to="varying"), q), xs[0]))(ps)
+        else:
+            grads = lax.psum(jax.grad(loss)(ps, xs[0]), "x")
+        return jax.tree.map(lambda p, g: p - g, ps, grads)
+
+    want = step(params, x)
+    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10):
+        jax_blink.switch_report(clear=True)
+        compiled = step.lower(params, x).compile()
+        got = compiled(params, x)
+        report = jax_blink.switch_report()
+    text = compiled.as_text()
+    assert text.count('custom_call_target="jax_blink_start"') >= 2, text[:2000]
+    assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for _ in range(3):  # again: the side stream's FIFO and the communicators are reused
+        again = compiled(params, x)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -32,6 +32,7 @@ GOOD = {
     "fallback": [("warn", "warn"), ("raise", "raise"), ("silent", "silent")],
     "command_buffers": [(True, True), (False, False), (np.bool_(True), True), ("auto", "auto")],
     "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
+    "switch_overlap": [(True, True), (False, False), (np.bool_(False), False)],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -63,6 +64,8 @@ BAD = [
     ("merge_bytes", 1.5, TypeError, "whole number of bytes"),
     ("merge_bytes", True, TypeError, "whole number of bytes"),
     ("merge_bytes", "25M", TypeError, "whole number of bytes"),
+    ("switch_overlap", 1, TypeError, "True or False"),
+    ("switch_overlap", "on", TypeError, "True or False"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]

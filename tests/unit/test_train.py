@@ -11,7 +11,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_blink.api import buckets
-from jax_blink.switch import merge
 from jax_blink.options import config, override
 
 pytest.importorskip("flax", reason="the train extra is not installed (pip install -e '.[train]')")
@@ -132,9 +131,9 @@ def test_psum_blink_and_switch_train_alike(model):
     count = {m: dp.collectives_in(m) for m in modes}
     assert count["psum"]["all-reduce"] >= 1 and count["psum"]["jax_blink"] == 0
     assert count["blink"] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, count["blink"]
-    merged = merge.merge_groups([jax.ShapeDtypeStruct((b.size,), b.dtype) for b in dp.layout.buckets],
-                                config.merge_bytes)
-    assert count["switch"] == {"all-reduce": 0, "jax_blink": len(merged)}, count["switch"]
+    # Under the switch every bucket's psum starts on its own inside the backward pass (the switch's
+    # buckets take the step's cap): one jax_blink call per bucket, as the explicit calls.
+    assert count["switch"] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, count["switch"]
 
     for mode in ("blink", "switch"):
         np.testing.assert_allclose(losses[mode], losses["psum"], rtol=2e-5, err_msg=mode)
@@ -166,9 +165,13 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
         assert label in out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
-    assert set(record["timing"]["modes"]) == {"psum", "switch", "none"}
-    # The buckets' adjacent psums (float32, far below jax_blink.config.merge_bytes): one merged call.
-    assert record["timing"]["modes"]["switch"]["jax_blink_calls"] == 1 and len(record["buckets"]) > 1
+    assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-sync", "none"}
+    # Overlapped, each bucket's psum is a start of its own; without the overlap the buckets' adjacent
+    # psums merge into calls of at most the step's bucket cap (here each bucket is most of the cap).
+    timing = record["timing"]["modes"]
+    assert timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1, timing
+    assert 1 <= timing["switch-sync"]["jax_blink_calls"] <= len(record["buckets"]), timing
+    assert "psum under the switch (overlapped)" in out and "switch_overlap=False" in out
     assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))
     assert record["environment"].get("JAX_BLINK_ASYNC_ENGINE") == "ce"
     assert "environment: " in out and "JAX_BLINK_ASYNC_ENGINE=ce" in out

@@ -11,7 +11,9 @@ The collective that sums a bucket is the only thing that changes between the mod
   all awaited after the last start; on GPUs the all-reduces run on a side stream;
   ``overlap-all`` is the same with every live value held behind each start (``hold="all"``);
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
-  (the switch routes its ``lax.psum`` to jax_blink);
+  (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
+  pass: :mod:`jax_blink.switch.overlap`); ``switch-sync`` the same with ``switch_overlap=False``
+  (each bucket's call where the program wrote it, after the backward pass);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
   all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
 
@@ -40,7 +42,9 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "none")
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-sync", "none")
+#: The modes lowered under the switch, and whether each overlaps (``config.switch_overlap``).
+SWITCH_OVERLAP = {"switch": True, "switch-sync": False}
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 
@@ -63,7 +67,7 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
     so that it may overlap the computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
     if stream is not None and mode != "blink":
         raise ValueError(f"stream= applies to the blink mode only, not {mode!r}")
-    if mode in ("psum", "switch"):
+    if mode == "psum" or mode in SWITCH_OVERLAP:
         return lambda buf: lax.psum(buf, axis)
     if mode == "blink" and stream is not None:
         compute_on = _jax_internals.compute_on_call()
@@ -84,20 +88,23 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
 
 
 @contextlib.contextmanager
-def lowering_context(mode: str, dispatch: str = "blink"):
+def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | None = None):
     """What must be in force while a mode's step is traced and lowered: the dispatch option for
     jax_blink's calls (``blink`` runs the executor even where ``auto`` would pick psum: on CPU host
-    devices it picks psum at 4 and 8 ranks), and the switch for ``switch``."""
+    devices it picks psum at 4 and 8 ranks), and the switch for ``switch`` (overlapping) and
+    ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
+    step's own DDP cap)."""
     if mode in ("psum", "none"):
         yield
         return
     with override(dispatch=dispatch):
-        if mode == "switch":
+        if mode in SWITCH_OVERLAP:
             if not switch_available():
                 raise RuntimeError("--collective switch needs jax_blink.installed() (the switch of "
                                    "issue 15), which this jax_blink does not have")
             import jax_blink
-            with jax_blink.installed():
+            caps = {} if bucket_bytes is None else {"merge_bytes": bucket_bytes}
+            with jax_blink.installed(), override(switch_overlap=SWITCH_OVERLAP[mode], **caps):
                 yield
         else:
             yield
@@ -207,7 +214,7 @@ class DataParallel:
     def compiled(self, mode: str):
         """The compiled step of ``mode`` (lowered under the mode's context, cached)."""
         if mode not in self._compiled:
-            with lowering_context(mode, self.dispatch):
+            with lowering_context(mode, self.dispatch, self.layout.bucket_bytes):
                 self._compiled[mode] = self.step_fn(mode).lower(self.state0, self.batches[0]).compile(
                     compiler_options=self.compiler_options)
         return self._compiled[mode]

@@ -1,0 +1,324 @@
+"""The switch's overlap: a program's gradient all-reduces started inside its backward pass.
+
+An unedited data-parallel step sums its gradients either with ``lax.psum(grads)`` after
+``jax.grad`` (one equation per leaf, or one per bucket the program packed itself, after the whole
+backward pass) or through the transposes that ``jax.grad`` places itself (``psum_invariant`` of
+each leaf of parameters made varying, where that gradient is made). Lowered one by one, each runs
+where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before jax lowers a
+``shard_map`` body, :func:`overlap_all_reduces` rewrites it the way
+:func:`jax_blink.value_and_grad_overlapped` builds a step by hand:
+
+* **Which all-reduces**: ``psum`` / ``psum_invariant`` of one variable over named axes that are in
+  flight together across one point of the body (their operands exist before it, nothing reads
+  their results until after it), the point with the most bytes in flight: the gradients. One read
+  at once (an activation's all-reduce in the forward pass) or made after the update (a loss
+  averaged for logging) stays where it is.
+* **Hoisting**: the packing equations whose results only feed those all-reduces (a bucket's
+  reshapes and concatenation, a transpose) move up to where their operands exist; the backward
+  pass's compute keeps the program's order.
+* **Buckets**: the chosen all-reduces, in the order their operands become ready, packed per kind,
+  dtype and varying axes into buckets of at most ``merge_bytes`` (DDP's 25 MiB), each a
+  :data:`start_p` equation right after the step that completes it. Every start but the first also
+  passes the values made since the previous start through itself (an ``optimization_barrier`` in
+  its lowering): XLA can then neither run the rest of the backward pass before the start nor sink
+  the start to the end (docs/overlap.md says why both happened without it).
+* **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
+  start's operand as its token) and gives the original all-reduces' results.
+
+The lowering of both (``jax_blink.switch.rules``) decides per bucket, as for any call: the executor's
+start on a side stream (GPU, one process), the synchronous call (CPU, several processes: the same
+bits as the program unrewritten), or XLA's own all-reduce (the dispatch table's ``lax`` sizes).
+
+Left as written, and said so in :func:`overlap_all_reduces`' reason: a body with another
+collective between the first start and the last (a synchronous jax_blink call there could wait
+for SMs that a peer's started kernel holds), or with nothing to overlap (no matrix product,
+convolution or nested call between the first bucket's start and the last's).
+Only the body's own equations are looked at: a nested ``jit``, ``scan`` or ``remat`` runs whole.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+from jax.extend.core import Primitive
+
+from jax_blink.lowering import jax_internals as _jx
+from jax_blink.switch import merge as _merge
+
+#: The all-reduces the rewrite may start early, by the switch's name for them.
+OVERLAPPABLE = {name: _jx.PRIMITIVES[name] for name in ("psum", "psum_invariant")}
+_NAME_OF = {prim: name for name, prim in OVERLAPPABLE.items()}
+
+#: ``start(*operands, *held, bucket=, name=, params=, count=, last=)`` -> ``(result, passed,
+#: *held)``: one bucket's all-reduce of ``count`` operands (flat, concatenated) started, and the
+#: values ``held`` passed through with it. Exists only in jaxprs that the switch lowers.
+start_p = Primitive("jax_blink_overlap_start")
+start_p.multiple_results = True
+#: ``done(result_1, passed_1, ..., result_B, passed_B, token, ids=, buckets=, shapes=)`` -> every
+#: bucket's all-reduces' results, in bucket order (``ids``: the starts' ``bucket`` parameters,
+#: ``buckets``: how many results each holds, ``shapes``: each result's shape).
+done_p = Primitive("jax_blink_overlap_done")
+done_p.multiple_results = True
+
+_bucket_ids = itertools.count()
+
+
+def _never_evaluated(*args, **params):
+    raise NotImplementedError("jax_blink's overlapped all-reduce exists only while the switch lowers a "
+                              "program; it is never evaluated or traced")
+
+
+for _p in (start_p, done_p):
+    _p.def_impl(_never_evaluated)
+    _p.def_abstract_eval(_never_evaluated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """What :func:`overlap_all_reduces` did with one body.
+
+    Attributes:
+        jaxpr: The body, rewritten or the same object.
+        buckets: How many starts it holds (0: left as written).
+        operands: How many all-reduce equations the starts cover.
+        reason: Why it was left as written, or what was done.
+        blocked: Gradients could have started early, but another collective stood between them.
+    """
+
+    jaxpr: object
+    buckets: int
+    operands: int
+    reason: str
+    blocked: bool = False
+
+
+def _key(eqn):
+    """(name, parameters) of an all-reduce that may start early; None for any other equation."""
+    name = _NAME_OF.get(eqn.primitive)
+    if name is None or len(eqn.invars) != 1 or not _jx.is_var(eqn.invars[0]):
+        return None
+    if _nbytes(eqn.invars[0].aval) is None:  # symbolic dimensions: the switch leaves those to XLA
+        return None
+    key = _merge.all_reduce_key(eqn)
+    return key if key is not None and key[0] == name else None
+
+
+def _holds_collective(eqn) -> bool:
+    prims = set(_jx.PRIMITIVES.values())
+    if eqn.primitive in prims:
+        return True
+    from jax._src import core
+    return any(_jx.holds_equation(j, lambda e: e.primitive in prims) for j in core.jaxprs_in_params(eqn.params))
+
+
+def _is_heavy(eqn) -> bool:
+    """Whether an equation is compute worth running beside a collective: a matrix product, a
+    convolution, or a nested call (a jit, a remat, a loop)."""
+    from jax._src import core
+    return (eqn.primitive.name in ("dot_general", "conv_general_dilated", "ragged_dot")
+            or any(True for _ in core.jaxprs_in_params(eqn.params)))
+
+
+def _nbytes(aval) -> int | None:
+    if not all(isinstance(d, (int, np.integer)) for d in aval.shape):
+        return None
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
+    """``jaxpr`` (a shard_map body, a core.Jaxpr) with its gradient all-reduces started early (the
+    module's docstring); ``cap_bytes``: most bytes per rank in one bucket (> 0)."""
+    eqns = list(jaxpr.eqns)
+    n = len(eqns)
+    made_by = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    readers: dict = collections.defaultdict(list)
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if _jx.is_var(v):
+                readers[v].append(i)
+    returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
+
+    def first_read(v) -> int:
+        return n if v in returned and not readers[v] else min(readers[v], default=n)
+
+    candidates = {i for i, e in enumerate(eqns) if _key(e) is not None}
+    if not candidates:
+        return Rewrite(jaxpr, 0, 0, "no psum to start early")
+    chosen = candidates
+    for _ in range(4):  # the choice moves the feeders, which move the readiness: until it settles
+        feeders = _feeders(eqns, chosen, readers, returned)
+        ready = _readiness(eqns, chosen | feeders, made_by)
+        again = _in_flight(candidates, ready, lambda i: first_read(eqns[i].outvars[0]), eqns)
+        if again == chosen:
+            break
+        chosen = again
+    last = max((ready[i] for i in chosen), default=-1)
+    if not chosen or any(first_read(eqns[i].outvars[0]) <= last for i in chosen):
+        return Rewrite(jaxpr, 0, 0, "every psum's result is read before the others could start")
+    first = min(ready[i] for i in chosen)
+    window = [i for i in range(n) if i not in chosen and (i in feeders or first < i <= last)]
+    blocking = [eqns[i].primitive.name for i in window if _holds_collective(eqns[i])]
+    if blocking:
+        return Rewrite(jaxpr, 0, 0, f"another collective ({blocking[0]}) would run between the starts",
+                       blocked=True)
+
+    buckets = _buckets(eqns, sorted(chosen, key=lambda i: (ready[i], i)), cap_bytes)
+    bucket_ready = [max(ready[i] for i in b) for b in buckets]
+    order = sorted(range(len(buckets)), key=lambda b: (bucket_ready[b], b))
+    buckets = [buckets[b] for b in order]
+    bucket_ready = [bucket_ready[b] for b in order]
+    if not any(bucket_ready[0] < i <= last and i not in feeders and _is_heavy(eqns[i]) for i in range(n)):
+        return Rewrite(jaxpr, 0, 0, "nothing to overlap: no matrix product, convolution or nested call "
+                                    "between the first bucket's start and the last's")
+    # The new order: each item (sort key, kind, payload); kinds: 0 an equation in place, 1 a hoisted
+    # feeder, 2 a start, 3 the done. A feeder's key is the step after which its operands exist.
+    items = [((i, 0, i), "eqn", i) for i in range(n) if i not in chosen and i not in feeders]
+    items += [((ready[i], 1, i), "eqn", i) for i in feeders]
+    items += [((r, 2, b), "start", b) for b, r in enumerate(bucket_ready)]
+    items.append(((max(bucket_ready), 3, 0), "done", None))
+    items.sort(key=lambda t: t[0])
+    return Rewrite(_emit(jaxpr, eqns, items, buckets), len(buckets), len(chosen),
+                   f"{len(chosen)} psums in {len(buckets)} buckets started as their operands became ready")
+
+
+#: Equations that only move bytes (a bucket's packing): hoisted with the all-reduce they feed. The
+#: backward pass's compute stays where it is, in the program's order.
+_PACKING = frozenset({"reshape", "concatenate", "convert_element_type", "squeeze", "expand_dims",
+                      "broadcast_in_dim", "transpose", "slice", "copy", "copy_p", "pvary"})
+
+
+def _in_flight(candidates, ready, first_read, eqns) -> set[int]:
+    """The all-reduces to start early: those in flight across one point of the body (ready at or
+    before it, first read after it), the point that puts the most bytes in flight. A forward pass's
+    all-reduce, read at once, is in flight across no point of the backward pass; a trailing one
+    (a loss averaged after the update) across no point before it."""
+    best, best_bytes = set(), 0
+    for t in sorted({ready[i] for i in candidates}):
+        across = {i for i in candidates if ready[i] <= t < first_read(i)}
+        size = sum(_nbytes(eqns[i].invars[0].aval) for i in across)
+        if (size, len(across)) > (best_bytes, len(best)):
+            best, best_bytes = across, size
+    return best
+
+
+def _feeders(eqns, chosen, readers, returned) -> set[int]:
+    """The packing equations whose every result is read only by chosen all-reduces or other
+    feeders (one pass from the end: readers come after the equations they read)."""
+    feeders: set[int] = set()
+    for j in range(len(eqns) - 1, -1, -1):
+        e = eqns[j]
+        if j in chosen or e.effects or not e.outvars or e.primitive.name not in _PACKING:
+            continue
+        outs = e.outvars
+        if any(v in returned for v in outs):
+            continue
+        reads = [r for v in outs for r in readers.get(v, ())]
+        if reads and all(r in chosen or r in feeders for r in reads):
+            feeders.add(j)
+    return feeders
+
+
+def _readiness(eqns, moved, made_by) -> dict[int, int]:
+    """Equation -> the step after which it can run: its own place, or for one that moves (a feeder,
+    a chosen all-reduce) the latest step that makes one of its operands (-1: the body's inputs)."""
+    ready: dict[int, int] = {}
+    for j, e in enumerate(eqns):
+        if j not in moved:
+            ready[j] = j
+            continue
+        ready[j] = max((ready[made_by[v]] for v in e.invars if _jx.is_var(v) and v in made_by), default=-1)
+    return ready
+
+
+def _buckets(eqns, ordered: list[int], cap_bytes: int) -> list[list[int]]:
+    """The chosen equations (in readiness order) in buckets: per (kind, parameters), then per dtype
+    and varying axes at most ``cap_bytes`` (:func:`jax_blink.switch.merge.merge_groups`)."""
+    by_key: dict = collections.defaultdict(list)
+    for i in ordered:
+        by_key[_key(eqns[i])].append(i)
+    out = []
+    for members in by_key.values():
+        avals = [eqns[i].invars[0].aval for i in members]
+        out += [[members[k] for k in group] for group in _merge.merge_groups(avals, cap_bytes)]
+    return out
+
+
+def _emit(jaxpr, eqns, items, buckets):
+    """The body in the order of ``items``, with the starts, their held values and the done."""
+    position = {}  # original variable -> the index in ``items`` of what makes it
+    last_use: dict = {}
+    for p, (_, kind, payload) in enumerate(items):
+        if kind == "eqn":
+            position.update((v, p) for v in eqns[payload].outvars)
+            reads = eqns[payload].invars
+        elif kind == "start":
+            reads = [eqns[i].invars[0] for i in buckets[payload]]
+        else:
+            reads = []
+        for v in reads:
+            if _jx.is_var(v):
+                last_use[v] = p
+    for v in jaxpr.outvars:
+        if _jx.is_var(v):
+            last_use[v] = len(items)
+    rename: dict = {}
+    out: list = []
+    started: list = []  # (result, passed) per bucket, in start order
+    starts_at: list[int] = []
+    ids: list[int] = []
+
+    def read(v):
+        return rename.get(v, v) if _jx.is_var(v) else v
+
+    for p, (_, kind, payload) in enumerate(items):
+        if kind == "eqn":
+            e = eqns[payload]
+            out.append(e.replace(invars=[read(v) for v in e.invars]) if any(
+                _jx.is_var(v) and v in rename for v in e.invars) else e)
+            continue
+        if kind == "start":
+            members = [eqns[i] for i in buckets[payload]]
+            held = _held(position, last_use, p, starts_at)
+            operands = [read(e.invars[0]) for e in members]
+            flat_in = members[0].invars[0].aval.update(shape=(sum(_size(e.invars[0].aval) for e in members),))
+            flat_out = members[0].outvars[0].aval.update(shape=flat_in.shape)
+            result, passed = _jx.new_var(flat_out), _jx.new_var(flat_in)
+            tied = [_jx.new_var(v.aval) for v in held]
+            name, params = _key(members[0])
+            ids.append(next(_bucket_ids))
+            out.append(_jx.new_eqn([*operands, *(read(v) for v in held)], [result, passed, *tied], start_p,
+                                   {"bucket": ids[-1], "name": name, "params": params,
+                                    "count": len(members), "last": payload == len(buckets) - 1},
+                                   set(), members[-1]))
+            rename.update(zip(held, tied))
+            started.append((result, passed))
+            starts_at.append(p)
+            continue
+        members = [eqns[i] for b in buckets for i in b]
+        operands = [v for pair in started for v in pair] + [started[-1][1]]
+        out.append(_jx.new_eqn(operands, [e.outvars[0] for e in members], done_p,
+                               {"ids": tuple(ids), "buckets": tuple(len(b) for b in buckets),
+                                "shapes": tuple(tuple(e.outvars[0].aval.shape) for e in members)},
+                               set(), members[-1]))
+    outvars = [read(v) for v in jaxpr.outvars]
+    return _jx.replace_eqns(jaxpr, out, outvars=outvars)
+
+
+def _size(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64))
+
+
+def _held(position, last_use, p, starts_at) -> list:
+    """The values that wait for the start at item ``p``: made by the body since the previous start
+    (else since the first) and read after it; none for the first start."""
+    if not starts_at:
+        return []
+    live = [v for v, made in position.items()
+            if made < p and last_use.get(v, -1) > p and _jx.is_plain_array(v.aval)]
+    recent = [v for v in live if position[v] > starts_at[-1]]
+    return recent or [v for v in live if position[v] > starts_at[0]]
+
+
+__all__ = ["OVERLAPPABLE", "Rewrite", "done_p", "overlap_all_reduces", "start_p"]

@@ -156,3 +156,13 @@ def test_bad_input_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 5 and all(line.startswith("python -m jax_blink.tools.decode: error:") for line in err)
     assert "--batch 1 is not a multiple of --tp 4" in err[3]
+
+
+def test_the_switch_must_match_the_explicit_calls_bitwise_on_cpu_only():
+    from jax_blink.tools.decode.bench import switch_verdict
+    ok = "ok (rel. RMS 1.36e-02 <= 0.05)"
+    assert switch_verdict(ok, True, "cpu") == ok and switch_verdict(ok, True, "gpu") == ok
+    assert switch_verdict(ok, False, "cpu") == "FAILED (switch differs from blink's program)"
+    gpu = switch_verdict(ok, False, "gpu")
+    assert gpu.startswith(ok) and "bits differ from blink's program" in gpu
+    assert switch_verdict("FAILED (rel. RMS 9.00e-02 > 0.05)", False, "gpu").startswith("FAILED")

@@ -142,11 +142,26 @@ class _Done:
         return jax.block_until_ready(self.tree)
 
 
+def switch_verdict(against_psum: str, bitwise_vs_blink: bool, platform: str) -> str:
+    """The switch's verdict, given its verdict against psum and whether it matched the explicit
+    calls' program (``blink``) bit for bit: a mismatch fails on CPU; on GPUs it is named only.
+    XLA:GPU autotunes each program's matrix products, and two programs that differ only in how
+    their collectives are lowered may get GEMM kernels that round differently (4 x H200, tp 4,
+    batch 64: the bits differed, and were equal with --xla_gpu_autotune_level=0); the switch is
+    then held to the demand against psum, as every program is."""
+    if bitwise_vs_blink:
+        return against_psum
+    if platform == "cpu":
+        return "FAILED (switch differs from blink's program)"
+    return f"{against_psum}; bits differ from blink's program (XLA autotunes each program's GEMMs)"
+
+
 def check_programs(programs: dict[str, Program], cfg, mesh, params, batch: int, steps: int, pos: int,
                    strict_bf16: bool, seed: int) -> dict[str, dict]:
     """Run each program once from the same fresh cache with the same teacher-forced tokens and
-    compare it with psum's (and ``switch`` with ``blink`` bitwise): per program, :func:`compare`'s
-    result, ``demand`` and ``verdict``."""
+    compare it with psum's (and ``switch`` with ``blink`` bitwise, a failure on CPU; on GPUs, where
+    XLA autotunes each program's matrix products, a difference is named in the verdict): per
+    program, :func:`compare`'s result, ``demand`` and ``verdict``."""
     rep = NamedSharding(mesh, P())
     rng = np.random.default_rng(seed)
     tokens = jax.device_put(jnp.asarray(rng.integers(0, cfg.vocab, batch), jnp.int32), rep)
@@ -165,8 +180,7 @@ def check_programs(programs: dict[str, Program], cfg, mesh, params, batch: int, 
         r["verdict"] = verdict(r, r["demand"])
         if name == "switch" and "blink" in outputs:
             r["bitwise_vs_blink"] = compare(outputs["blink"], outputs[name])["bitwise"]
-            if not r["bitwise_vs_blink"]:
-                r["verdict"] = "FAILED (switch differs from blink's program)"
+            r["verdict"] = switch_verdict(r["verdict"], r["bitwise_vs_blink"], platform)
         results[name] = r
     return results
 

@@ -214,6 +214,12 @@ def holds_equation(jaxpr, predicate) -> bool:
     return False
 
 
+def nested_jaxprs(eqn) -> list:
+    """The jaxprs in an equation's parameters (a nested jit's, a loop's body, a cond's branches)."""
+    from jax._src import core
+    return list(core.jaxprs_in_params(eqn.params))
+
+
 def holds_collective(jaxpr) -> bool:
     """Whether a (closed) jaxpr binds one of :data:`PRIMITIVES`, at any depth."""
     prims = set(PRIMITIVES.values())

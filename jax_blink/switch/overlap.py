@@ -106,19 +106,15 @@ def _key(eqn):
 
 
 def _holds_collective(eqn) -> bool:
-    prims = set(_jx.PRIMITIVES.values())
-    if eqn.primitive in prims:
-        return True
-    from jax._src import core
-    return any(_jx.holds_equation(j, lambda e: e.primitive in prims) for j in core.jaxprs_in_params(eqn.params))
+    """Whether an equation is, or holds at any depth, a collective the switch lowers."""
+    return eqn.primitive in _jx.PRIMITIVES.values() or any(map(_jx.holds_collective, _jx.nested_jaxprs(eqn)))
 
 
 def _is_heavy(eqn) -> bool:
     """Whether an equation is compute worth running beside a collective: a matrix product, a
     convolution, or a nested call (a jit, a remat, a loop)."""
-    from jax._src import core
     return (eqn.primitive.name in ("dot_general", "conv_general_dilated", "ragged_dot")
-            or any(True for _ in core.jaxprs_in_params(eqn.params)))
+            or bool(_jx.nested_jaxprs(eqn)))
 
 
 def _nbytes(aval) -> int | None:
@@ -146,9 +142,10 @@ def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
     candidates = {i for i, e in enumerate(eqns) if _key(e) is not None}
     if not candidates:
         return Rewrite(jaxpr, 0, 0, "no psum to start early")
+    summed = {eqns[i].outvars[0] for i in candidates}  # a feeder never reads these: they come late
     chosen = candidates
     for _ in range(4):  # the choice moves the feeders, which move the readiness: until it settles
-        feeders = _feeders(eqns, chosen, readers, returned)
+        feeders = _feeders(eqns, chosen, readers, returned, summed)
         ready = _readiness(eqns, chosen | feeders, made_by)
         again = _in_flight(candidates, ready, lambda i: first_read(eqns[i].outvars[0]), eqns)
         if again == chosen:
@@ -179,8 +176,23 @@ def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
     items += [((r, 2, b), "start", b) for b, r in enumerate(bucket_ready)]
     items.append(((max(bucket_ready), 3, 0), "done", None))
     items.sort(key=lambda t: t[0])
-    return Rewrite(_emit(jaxpr, eqns, items, buckets), len(buckets), len(chosen),
+    rewritten = _emit(jaxpr, eqns, items, buckets)
+    unbound = _first_unbound(rewritten)
+    if unbound is not None:  # a safety net: a program the rewrite got wrong is left as written
+        return Rewrite(jaxpr, 0, 0, f"left as written: the rewrite would read {unbound} before making it")
+    return Rewrite(rewritten, len(buckets), len(chosen),
                    f"{len(chosen)} psums in {len(buckets)} buckets started as their operands became ready")
+
+
+def _first_unbound(jaxpr):
+    """The first variable that ``jaxpr`` reads before any equation (or input) makes it; None."""
+    bound = {*jaxpr.invars, *jaxpr.constvars}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if _jx.is_var(v) and v not in bound:
+                return v
+        bound.update(e.outvars)
+    return next((v for v in jaxpr.outvars if _jx.is_var(v) and v not in bound), None)
 
 
 #: Equations that only move bytes (a bucket's packing): hoisted with the all-reduce they feed. The
@@ -203,13 +215,16 @@ def _in_flight(candidates, ready, first_read, eqns) -> set[int]:
     return best
 
 
-def _feeders(eqns, chosen, readers, returned) -> set[int]:
+def _feeders(eqns, chosen, readers, returned, summed) -> set[int]:
     """The packing equations whose every result is read only by chosen all-reduces or other
-    feeders (one pass from the end: readers come after the equations they read)."""
+    feeders, and which read no all-reduce's result (one pass from the end: readers come after the
+    equations they read)."""
     feeders: set[int] = set()
     for j in range(len(eqns) - 1, -1, -1):
         e = eqns[j]
         if j in chosen or e.effects or not e.outvars or e.primitive.name not in _PACKING:
+            continue
+        if any(_jx.is_var(v) and v in summed for v in e.invars):
             continue
         outs = e.outvars
         if any(v in returned for v in outs):

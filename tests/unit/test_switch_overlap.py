@@ -329,3 +329,27 @@ def test_explain_lowering_says_what_the_overlap_did():
     with override(dispatch="blink", merge_bytes=2048, switch_overlap=False):
         text = jax_blink.explain_lowering(_step(_loss(False), pcast=True), params, x)
     assert "overlap:" not in text and "started" not in text, text
+
+
+def test_a_psum_of_a_psum_keeps_its_order():
+    """A psum whose operand is packed from another psum's result: the packing is not hoisted above
+    the wait that makes its operand, and the step still equals the unswitched one."""
+    rng = np.random.default_rng(10)
+    params = _params(rng, exact=True)
+    x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
+    mesh = _mesh()
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    def step(p, x):
+        grads = jax.grad(_loss(True))(p, x[0])
+        summed = lax.psum(grads, "data")
+        again = lax.psum(summed["head"].reshape(-1), "data")  # read late: in flight with the rest
+        return summed, again
+
+    rewrite = overlap.overlap_all_reduces(_body(step, params, x), 2048)
+    assert overlap._first_unbound(rewrite.jaxpr) is None, rewrite.reason
+    with override(merge_bytes=2048):
+        plain, switched, _, _ = _run(step, params, x)
+    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

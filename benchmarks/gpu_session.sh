@@ -178,7 +178,7 @@ PY
         JAX_BLINK_ASYNC_ENGINE=${TRAIN_ASYNC_ENGINE:-} timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective "${TRAIN_COLLECTIVE:-overlap}" \
           --dispatch "${TRAIN_DISPATCH:-blink}" --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -9
-        for m in blink overlap switch switch-sync; do
+        for m in blink overlap switch switch-late switch-sync; do
           t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
           [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
         done

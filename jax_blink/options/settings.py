@@ -108,10 +108,12 @@ def _check_command_buffers(value) -> bool | str:
     return bool(value)
 
 
-def _check_switch_overlap(value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"switch_overlap must be True or False, {_got(value)}")
-    return bool(value)
+def _flag(name: str):
+    def check(value) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, {_got(value)}")
+        return bool(value)
+    return check
 
 
 def _check_merge_bytes(value) -> int:
@@ -133,7 +135,8 @@ _CHECKS = {
     "command_buffers": _check_command_buffers,
     "dispatch": _choice("dispatch", _DISPATCH),
     "allreduce_form": _choice("allreduce_form", ALLREDUCE_FORMS),
-    "switch_overlap": _check_switch_overlap,
+    "switch_overlap": _flag("switch_overlap"),
+    "switch_late_last_wait": _flag("switch_late_last_wait"),
 }
 
 
@@ -178,6 +181,10 @@ class Options:
             in buckets as soon as their operands exist, and wait where the results are first
             read, so that they run beside the backward pass (``JAX_BLINK_SWITCH_OVERLAP``,
             default True; :mod:`jax_blink.switch.overlap`).
+        switch_late_last_wait: With ``switch_overlap``, wait for the last bucket only after
+            everything that does not read it, so that the optimizer's update of the other
+            buckets' parameters runs beside its kernel (``JAX_BLINK_SWITCH_LATE_LAST_WAIT``,
+            default False: not yet measured on GPUs).
 
     Raises:
         TypeError: An assigned value of the wrong type.
@@ -192,6 +199,7 @@ class Options:
     dispatch: str = "auto"
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
     switch_overlap: bool = True  # the switch: gradient all-reduces started inside the backward pass
+    switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
 
     def __setattr__(self, name: str, value) -> None:
@@ -263,6 +271,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_MERGE_BYTES": ("merge_bytes", parse_byte_count, "a number of bytes >= 0 (0: no merging; 25M by default)"),
     "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),
     "JAX_BLINK_SWITCH_OVERLAP": ("switch_overlap", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_SWITCH_LATE_LAST_WAIT": ("switch_late_last_wait", _parse_flag, "1/true/yes/on or 0/false/no/off"),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # folder of tuned dispatch entries (dispatch_cache.py), the

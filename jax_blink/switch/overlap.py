@@ -23,7 +23,10 @@ where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before
   its lowering): XLA can then neither run the rest of the backward pass before the start nor sink
   the start to the end (docs/overlap.md says why both happened without it).
 * **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
-  start's operand as its token) and gives the original all-reduces' results.
+  start's operand as its token) and gives the original all-reduces' results. With
+  ``jax_blink.config.switch_late_last_wait`` (off by default, not yet measured on GPUs) the last
+  bucket gets a wait of its own, tied behind everything that does not read its results (the
+  optimizer's update of the other buckets' parameters), which then runs beside its kernel.
 
 The lowering of both (``jax_blink.switch.rules``) decides per bucket, as for any call: the executor's
 start on a side stream (GPU, one process), the synchronous call (CPU, several processes: the same
@@ -56,9 +59,10 @@ _NAME_OF = {prim: name for name, prim in OVERLAPPABLE.items()}
 #: values ``held`` passed through with it. Exists only in jaxprs that the switch lowers.
 start_p = Primitive("jax_blink_overlap_start")
 start_p.multiple_results = True
-#: ``done(result_1, passed_1, ..., result_B, passed_B, token, ids=, buckets=, shapes=)`` -> every
-#: bucket's all-reduces' results, in bucket order (``ids``: the starts' ``bucket`` parameters,
-#: ``buckets``: how many results each holds, ``shapes``: each result's shape).
+#: ``done(result_1, passed_1, ..., result_B, passed_B, token, *after, ids=, buckets=, shapes=,
+#: after=)`` -> the waited buckets' all-reduces' results, in bucket order (``ids``: the starts'
+#: ``bucket`` parameters, ``buckets``: how many results each holds, ``shapes``: each result's
+#: shape, ``after``: how many values the wait is tied behind besides the token).
 done_p = Primitive("jax_blink_overlap_done")
 done_p.multiple_results = True
 
@@ -123,9 +127,10 @@ def _nbytes(aval) -> int | None:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
+def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> Rewrite:
     """``jaxpr`` (a shard_map body, a core.Jaxpr) with its gradient all-reduces started early (the
-    module's docstring); ``cap_bytes``: most bytes per rank in one bucket (> 0)."""
+    module's docstring); ``cap_bytes``: most bytes per rank in one bucket (> 0); ``late_last_wait``:
+    wait for the last bucket only after everything that does not read it (:func:`_late_wait`)."""
     eqns = list(jaxpr.eqns)
     n = len(eqns)
     made_by = {v: i for i, e in enumerate(eqns) for v in e.outvars}
@@ -174,7 +179,15 @@ def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
     items = [((i, 0, i), "eqn", i) for i in range(n) if i not in chosen and i not in feeders]
     items += [((ready[i], 1, i), "eqn", i) for i in feeders]
     items += [((r, 2, b), "start", b) for b, r in enumerate(bucket_ready)]
-    items.append(((max(bucket_ready), 3, 0), "done", None))
+    late = _late_wait(eqns, jaxpr, chosen, feeders, buckets, last, made_by) if late_last_wait else None
+    if late is None:
+        items.append(((last, 3, 0), "done", (tuple(range(len(buckets))), ())))
+    else:
+        dependent, after = late
+        items = [((n + 1 + t[2], 0, t[2]), k, i) if k == "eqn" and i in dependent else (t, k, i)
+                 for t, k, i in items]
+        items.append(((last, 3, 0), "done", (tuple(range(len(buckets) - 1)), ())))
+        items.append(((n, 4, 0), "done", ((len(buckets) - 1,), tuple(after))))
     items.sort(key=lambda t: t[0])
     rewritten = _emit(jaxpr, eqns, items, buckets)
     unbound = _first_unbound(rewritten)
@@ -182,6 +195,32 @@ def overlap_all_reduces(jaxpr, cap_bytes: int) -> Rewrite:
         return Rewrite(jaxpr, 0, 0, f"left as written: the rewrite would read {unbound} before making it")
     return Rewrite(rewritten, len(buckets), len(chosen),
                    f"{len(chosen)} psums in {len(buckets)} buckets started as their operands became ready")
+
+
+def _late_wait(eqns, jaxpr, chosen, feeders, buckets, last, made_by):
+    """Where the last bucket's wait goes when it comes late: after every equation that does not
+    read its results (the optimizer's update of the other buckets' parameters), which then runs
+    beside the last bucket's kernel; the equations that read them, and what they make, after it.
+    Returns (the equations that must wait, the values the wait is tied behind), or None where
+    there is nothing to run beside it or an equation with effects would change places."""
+    if len(buckets) < 2:
+        return None
+    summed_last = {eqns[i].outvars[0] for i in buckets[-1]}
+    dependent: set[int] = set()
+    for i, e in enumerate(eqns):
+        if i in chosen or i in feeders:
+            continue
+        if any(_jx.is_var(v) and (v in summed_last or made_by.get(v) in dependent) for v in e.invars):
+            dependent.add(i)
+    independent = [i for i in range(last + 1, len(eqns))
+                   if i not in chosen and i not in feeders and i not in dependent]
+    if not independent or any(eqns[i].effects for i in range(last + 1, len(eqns)) if i not in chosen):
+        return None
+    readers_of_dependent = {v for i in dependent for v in eqns[i].invars if _jx.is_var(v)}
+    returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
+    after = [v for i in independent for v in eqns[i].outvars
+             if (v in readers_of_dependent or v in returned) and _jx.is_plain_array(v.aval)]
+    return (dependent, after) if after else None
 
 
 def _first_unbound(jaxpr):
@@ -271,7 +310,7 @@ def _emit(jaxpr, eqns, items, buckets):
         elif kind == "start":
             reads = [eqns[i].invars[0] for i in buckets[payload]]
         else:
-            reads = []
+            reads = list(payload[1])  # the values a late wait is tied behind
         for v in reads:
             if _jx.is_var(v):
                 last_use[v] = p
@@ -311,11 +350,14 @@ def _emit(jaxpr, eqns, items, buckets):
             started.append((result, passed))
             starts_at.append(p)
             continue
-        members = [eqns[i] for b in buckets for i in b]
-        operands = [v for pair in started for v in pair] + [started[-1][1]]
+        waited, after = payload
+        members = [eqns[i] for b in waited for i in buckets[b]]
+        operands = [v for b in waited for v in started[b]] + [started[-1][1], *(read(v) for v in after)]
         out.append(_jx.new_eqn(operands, [e.outvars[0] for e in members], done_p,
-                               {"ids": tuple(ids), "buckets": tuple(len(b) for b in buckets),
-                                "shapes": tuple(tuple(e.outvars[0].aval.shape) for e in members)},
+                               {"ids": tuple(ids[b] for b in waited),
+                                "buckets": tuple(len(buckets[b]) for b in waited),
+                                "shapes": tuple(tuple(e.outvars[0].aval.shape) for e in members),
+                                "after": len(after)},
                                set(), members[-1]))
     outvars = [read(v) for v in jaxpr.outvars]
     return _jx.replace_eqns(jaxpr, out, outvars=outvars)

@@ -290,7 +290,8 @@ def _shard_map_rule(name: str, platform: str, replaced):
     def rule(ctx, *args, jaxpr, **params):
         if _jx.lowering_platforms(ctx) == (platform,) and not _jx.lowering_for_export(ctx):
             if config.switch_overlap:
-                rewrite = _overlap.overlap_all_reduces(jaxpr, config.merge_bytes)
+                rewrite = _overlap.overlap_all_reduces(jaxpr, config.merge_bytes,
+                                                       late_last_wait=config.switch_late_last_wait)
                 if rewrite.buckets or rewrite.blocked:  # what explain_lowering says
                     with _lock:
                         _rewrites.append(rewrite.reason)
@@ -596,11 +597,17 @@ def _overlap_done_rule(platform: str):
     """The lowering of the overlapped buckets' waits (:data:`jax_blink.switch.overlap.done_p`): per
     bucket, :func:`jax_blink.lowering.async_call.done_call` after the token (XLA's stream waits for
     the side stream; CPU: the result once the token exists), split back into the all-reduces'
-    results. The block's next jax_blink call waits for every bucket's wait."""
+    results; a late wait's token passes an ``optimization_barrier`` with the values it is tied
+    behind first. The block's next jax_blink call waits for every bucket's wait."""
     del platform
 
-    def rule(ctx, *args, ids, buckets, shapes):
-        token, token_aval = args[-1], ctx.avals_in[-1]
+    def rule(ctx, *args, ids, buckets, shapes, after=0):
+        at = 2 * len(ids)
+        token, token_aval = args[at], ctx.avals_in[at]
+        if after:  # a late wait: the token only once every value it is tied behind exists
+            sub = ctx.replace(primitive=None, avals_in=list(ctx.avals_in[at:]), avals_out=[token_aval])
+            token, = mlir.lower_fun(lambda t, *xs: lax.optimization_barrier((t, list(xs)))[0],
+                                    multiple_results=False)(sub, token, *args[at + 1:])
         outs, waited = [], []
         first = 0
         for b, (bucket, count) in enumerate(zip(ids, buckets)):

@@ -33,6 +33,7 @@ GOOD = {
     "command_buffers": [(True, True), (False, False), (np.bool_(True), True), ("auto", "auto")],
     "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
     "switch_overlap": [(True, True), (False, False), (np.bool_(False), False)],
+    "switch_late_last_wait": [(True, True), (False, False)],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -66,6 +67,7 @@ BAD = [
     ("merge_bytes", "25M", TypeError, "whole number of bytes"),
     ("switch_overlap", 1, TypeError, "True or False"),
     ("switch_overlap", "on", TypeError, "True or False"),
+    ("switch_late_last_wait", 0, TypeError, "switch_late_last_wait must be True or False"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]

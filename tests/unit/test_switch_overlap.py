@@ -353,3 +353,54 @@ def test_a_psum_of_a_psum_keeps_its_order():
         plain, switched, _, _ = _run(step, params, x)
     for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_late_last_wait_lets_the_other_updates_run_first():
+    """switch_late_last_wait: the last bucket gets a wait of its own, after every update that does
+    not read it (tied behind their results), and the updates that read it come after; the step
+    still equals the unswitched one bit for bit."""
+    rng = np.random.default_rng(12)
+    params = _params(rng, exact=True)
+    x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
+    step = _step(_loss(True), pcast=True)
+    rewrite = overlap.overlap_all_reduces(_body(step, params, x), 2048, late_last_wait=True)
+    eqns = rewrite.jaxpr.eqns
+    dones = [i for i, e in enumerate(eqns) if e.primitive.name == "jax_blink_overlap_done"]
+    starts = [i for i, e in enumerate(eqns) if e.primitive.name == "jax_blink_overlap_start"]
+    assert len(dones) == 2 and dones[0] == starts[-1] + 1, rewrite.reason
+    early, late = eqns[dones[0]], eqns[dones[1]]
+    assert early.params["after"] == 0 and late.params["after"] >= 1
+    assert len(early.params["ids"]) == len(starts) - 1 and len(late.params["ids"]) == 1
+    summed_late = set(late.outvars)
+    # Every update before the late wait reads none of its results; those after it read them (or
+    # what is made from them).
+    between = eqns[dones[0] + 1:dones[1]]
+    assert between and not any(v in summed_late for e in between for v in e.invars if overlap._jx.is_var(v))
+    made_after = set(summed_late)
+    for e in eqns[dones[1] + 1:]:
+        assert any(v in made_after for v in e.invars if overlap._jx.is_var(v)), e
+        made_after.update(e.outvars)
+    assert overlap._first_unbound(rewrite.jaxpr) is None
+    with override(merge_bytes=2048, switch_late_last_wait=True):
+        plain, switched, _, report = _run(step, params, x)
+    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert sum(d.operands for d in report if d.overlapped) == 11
+
+
+def test_the_late_wait_is_tied_behind_a_barrier_on_gpus(monkeypatch):
+    monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
+    rng = np.random.default_rng(13)
+    params = _params(rng, exact=False, layers=6)
+    x = _sharded(rng.standard_normal((N, 4, 16)).astype(np.float32))
+    step = _step(_loss(False), pcast=True)
+    with jax_blink.installed(), override(dispatch="blink", merge_bytes=2048, switch_late_last_wait=True):
+        text = step.lower(params, x).as_text()
+    names = re.findall(r"(%\S+):2 = stablehlo.custom_call @jax_blink_start\(", text)
+    tokens = re.findall(r"stablehlo.custom_call @jax_blink_done\(%[^,]+, %[^,]+, (%[^)]+)\)", text)
+    assert len(tokens) == len(names) >= 3
+    # Every early wait takes the last start's operand; the last bucket's, a barrier's first result.
+    assert tokens[:-1] == [f"{names[-1]}#0"] * (len(names) - 1), tokens
+    barrier = re.search(re.escape(tokens[-1].split("#")[0]) + r":\d+ = stablehlo.optimization_barrier "
+                        + re.escape(f"{names[-1]}#0"), text)
+    assert barrier, tokens[-1]

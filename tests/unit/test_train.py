@@ -165,11 +165,12 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
         assert label in out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
-    assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-sync", "none"}
+    assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-late", "switch-sync", "none"}
     # Overlapped, each bucket's psum is a start of its own; without the overlap the buckets' adjacent
     # psums merge into calls of at most the step's bucket cap (here each bucket is most of the cap).
     timing = record["timing"]["modes"]
     assert timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1, timing
+    assert timing["switch-late"]["jax_blink_calls"] == len(record["buckets"]), timing
     assert 1 <= timing["switch-sync"]["jax_blink_calls"] <= len(record["buckets"]), timing
     assert "psum under the switch (overlapped)" in out and "switch_overlap=False" in out
     assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))

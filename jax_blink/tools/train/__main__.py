@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # by side when either of them is asked for.
         ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
         modes = (["psum", ours] + (overlapped if ours == "blink" else [])
-                 + (["switch-sync"] if ours == "switch" else []) + ["none"])
+                 + (["switch-late", "switch-sync"] if ours == "switch" else []) + ["none"])
         times = time_steps(dp, modes, state, args.timing_runs)
         med = {m: statistics.median(t) for m, t in times.items()}
         say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
@@ -317,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
                   "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
                   "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",
+                  "switch-late": "psum under the switch, late last wait",
                   "switch-sync": "psum under the switch, switch_overlap=False",
                   "none": "no all-reduce"}
         width = max(len(labels[m]) for m in modes)

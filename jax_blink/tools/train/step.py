@@ -12,8 +12,10 @@ The collective that sums a bucket is the only thing that changes between the mod
   ``overlap-all`` is the same with every live value held behind each start (``hold="all"``);
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
-  pass: :mod:`jax_blink.switch.overlap`); ``switch-sync`` the same with ``switch_overlap=False``
-  (each bucket's call where the program wrote it, after the backward pass);
+  pass: :mod:`jax_blink.switch.overlap`); ``switch-late`` the same with
+  ``switch_late_last_wait=True`` (the other parameters' update beside the last bucket);
+  ``switch-sync`` with ``switch_overlap=False`` (each bucket's call where the program wrote it,
+  after the backward pass);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
   all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
 
@@ -42,9 +44,12 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-sync", "none")
-#: The modes lowered under the switch, and whether each overlaps (``config.switch_overlap``).
-SWITCH_OVERLAP = {"switch": True, "switch-sync": False}
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-late", "switch-sync", "none")
+#: The modes lowered under the switch, and the options each sets (``config.switch_overlap``,
+#: ``config.switch_late_last_wait``).
+SWITCH_OVERLAP = {"switch": {"switch_overlap": True, "switch_late_last_wait": False},
+                  "switch-late": {"switch_overlap": True, "switch_late_last_wait": True},
+                  "switch-sync": {"switch_overlap": False, "switch_late_last_wait": False}}
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 
@@ -91,9 +96,9 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
 def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | None = None):
     """What must be in force while a mode's step is traced and lowered: the dispatch option for
     jax_blink's calls (``blink`` runs the executor even where ``auto`` would pick psum: on CPU host
-    devices it picks psum at 4 and 8 ranks), and the switch for ``switch`` (overlapping) and
-    ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
-    step's own DDP cap)."""
+    devices it picks psum at 4 and 8 ranks), and the switch for ``switch`` (overlapping),
+    ``switch-late`` (overlapping, the last bucket's wait late) and ``switch-sync`` (not), whose
+    buckets (``merge_bytes``) take ``bucket_bytes`` where given (the step's own DDP cap)."""
     if mode in ("psum", "none"):
         yield
         return
@@ -104,7 +109,7 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
                                    "issue 15), which this jax_blink does not have")
             import jax_blink
             caps = {} if bucket_bytes is None else {"merge_bytes": bucket_bytes}
-            with jax_blink.installed(), override(switch_overlap=SWITCH_OVERLAP[mode], **caps):
+            with jax_blink.installed(), override(**SWITCH_OVERLAP[mode], **caps):
                 yield
         else:
             yield

@@ -151,7 +151,7 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
     chosen = candidates
     for _ in range(4):  # the choice moves the feeders, which move the readiness: until it settles
         feeders = _feeders(eqns, chosen, readers, returned, summed)
-        ready = _readiness(eqns, chosen | feeders, made_by)
+        ready = _readiness(eqns, chosen | feeders, made_by, summed)
         again = _in_flight(candidates, ready, lambda i: first_read(eqns[i].outvars[0]), eqns)
         if again == chosen:
             break
@@ -274,12 +274,14 @@ def _feeders(eqns, chosen, readers, returned, summed) -> set[int]:
     return feeders
 
 
-def _readiness(eqns, moved, made_by) -> dict[int, int]:
+def _readiness(eqns, moved, made_by, summed) -> dict[int, int]:
     """Equation -> the step after which it can run: its own place, or for one that moves (a feeder,
-    a chosen all-reduce) the latest step that makes one of its operands (-1: the body's inputs)."""
+    a chosen all-reduce) the latest step that makes one of its operands (-1: the body's inputs).
+    An all-reduce of another's result (``summed``) keeps its place: that result exists only after
+    the wait, which comes after every start."""
     ready: dict[int, int] = {}
     for j, e in enumerate(eqns):
-        if j not in moved:
+        if j not in moved or any(_jx.is_var(v) and v in summed for v in e.invars):
             ready[j] = j
             continue
         ready[j] = max((ready[made_by[v]] for v in e.invars if _jx.is_var(v) and v in made_by), default=-1)

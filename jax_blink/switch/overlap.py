@@ -23,7 +23,8 @@ where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before
   its lowering): XLA can then neither run the rest of the backward pass before the start nor sink
   the start to the end (docs/overlap.md says why both happened without it).
 * **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
-  start's operand as its token) and gives the original all-reduces' results. With
+  start's operand as its token) and gives the original all-reduces' results; what reads one of
+  them before the last start (another all-reduce of it) moves to just after the wait. With
   ``jax_blink.config.switch_late_last_wait`` (off by default, not yet measured on GPUs) the last
   bucket gets a wait of its own, tied behind everything that does not read its results (the
   optimizer's update of the other buckets' parameters), which then runs beside its kernel.
@@ -141,12 +142,13 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
                 readers[v].append(i)
     returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
 
-    def first_read(v) -> int:
-        return n if v in returned and not readers[v] else min(readers[v], default=n)
-
     candidates = {i for i, e in enumerate(eqns) if _key(e) is not None}
     if not candidates:
         return Rewrite(jaxpr, 0, 0, "no psum to start early")
+
+    def first_read(v) -> int:  # another all-reduce of it can wait until after the wait (deferred)
+        return min((r for r in readers[v] if r not in candidates), default=n)
+
     summed = {eqns[i].outvars[0] for i in candidates}  # a feeder never reads these: they come late
     chosen = candidates
     for _ in range(4):  # the choice moves the feeders, which move the readiness: until it settles
@@ -159,8 +161,15 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
     last = max((ready[i] for i in chosen), default=-1)
     if not chosen or any(first_read(eqns[i].outvars[0]) <= last for i in chosen):
         return Rewrite(jaxpr, 0, 0, "every psum's result is read before the others could start")
+    # What reads a chosen result before the last start (another all-reduce of it, and what that
+    # makes) moves to just after the wait.
+    deferred = _readers_of(eqns, {eqns[i].outvars[0] for i in chosen}, chosen | feeders, made_by)
+    early = {i for i in deferred if i <= last}
+    if any(eqns[i].effects for i in early):
+        return Rewrite(jaxpr, 0, 0, "an equation with effects reads a summed value before the last start")
     first = min(ready[i] for i in chosen)
-    window = [i for i in range(n) if i not in chosen and (i in feeders or first < i <= last)]
+    window = [i for i in range(n)
+              if i not in chosen and i not in early and (i in feeders or first < i <= last)]
     blocking = [eqns[i].primitive.name for i in window if _holds_collective(eqns[i])]
     if blocking:
         return Rewrite(jaxpr, 0, 0, f"another collective ({blocking[0]}) would run between the starts",
@@ -171,12 +180,15 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
     order = sorted(range(len(buckets)), key=lambda b: (bucket_ready[b], b))
     buckets = [buckets[b] for b in order]
     bucket_ready = [bucket_ready[b] for b in order]
-    if not any(bucket_ready[0] < i <= last and i not in feeders and _is_heavy(eqns[i]) for i in range(n)):
+    if not any(bucket_ready[0] < i <= last and i not in feeders and i not in early and _is_heavy(eqns[i])
+               for i in range(n)):
         return Rewrite(jaxpr, 0, 0, "nothing to overlap: no matrix product, convolution or nested call "
                                     "between the first bucket's start and the last's")
     # The new order: each item (sort key, kind, payload); kinds: 0 an equation in place, 1 a hoisted
-    # feeder, 2 a start, 3 the done. A feeder's key is the step after which its operands exist.
-    items = [((i, 0, i), "eqn", i) for i in range(n) if i not in chosen and i not in feeders]
+    # feeder, 2 a start, 3 the done, 4 a deferred reader of a sum. A feeder's key is the step after
+    # which its operands exist.
+    items = [((last, 4, i) if i in early else (i, 0, i), "eqn", i)
+             for i in range(n) if i not in chosen and i not in feeders]
     items += [((ready[i], 1, i), "eqn", i) for i in feeders]
     items += [((r, 2, b), "start", b) for b, r in enumerate(bucket_ready)]
     late = _late_wait(eqns, jaxpr, chosen, feeders, buckets, last, made_by) if late_last_wait else None
@@ -184,7 +196,7 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
         items.append(((last, 3, 0), "done", (tuple(range(len(buckets))), ())))
     else:
         dependent, after = late
-        items = [((n + 1 + t[2], 0, t[2]), k, i) if k == "eqn" and i in dependent else (t, k, i)
+        items = [((n + 1 + i, 0, i), k, i) if k == "eqn" and i in dependent else (t, k, i)
                  for t, k, i in items]
         items.append(((last, 3, 0), "done", (tuple(range(len(buckets) - 1)), ())))
         items.append(((n, 4, 0), "done", ((len(buckets) - 1,), tuple(after))))
@@ -197,6 +209,15 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
                    f"{len(chosen)} psums in {len(buckets)} buckets started as their operands became ready")
 
 
+def _readers_of(eqns, values, skip, made_by) -> set[int]:
+    """The equations (but ``skip``) that read one of ``values``, or what such an equation makes."""
+    found: set[int] = set()
+    for i, e in enumerate(eqns):
+        if i not in skip and any(_jx.is_var(v) and (v in values or made_by.get(v) in found) for v in e.invars):
+            found.add(i)
+    return found
+
+
 def _late_wait(eqns, jaxpr, chosen, feeders, buckets, last, made_by):
     """Where the last bucket's wait goes when it comes late: after every equation that does not
     read its results (the optimizer's update of the other buckets' parameters), which then runs
@@ -205,13 +226,7 @@ def _late_wait(eqns, jaxpr, chosen, feeders, buckets, last, made_by):
     there is nothing to run beside it or an equation with effects would change places."""
     if len(buckets) < 2:
         return None
-    summed_last = {eqns[i].outvars[0] for i in buckets[-1]}
-    dependent: set[int] = set()
-    for i, e in enumerate(eqns):
-        if i in chosen or i in feeders:
-            continue
-        if any(_jx.is_var(v) and (v in summed_last or made_by.get(v) in dependent) for v in e.invars):
-            dependent.add(i)
+    dependent = _readers_of(eqns, {eqns[i].outvars[0] for i in buckets[-1]}, chosen | feeders, made_by)
     independent = [i for i in range(last + 1, len(eqns))
                    if i not in chosen and i not in feeders and i not in dependent]
     if not independent or any(eqns[i].effects for i in range(last + 1, len(eqns)) if i not in chosen):

@@ -404,3 +404,44 @@ def test_the_late_wait_is_tied_behind_a_barrier_on_gpus(monkeypatch):
     barrier = re.search(re.escape(tokens[-1].split("#")[0]) + r":\d+ = stablehlo.optimization_barrier "
                         + re.escape(f"{names[-1]}#0"), text)
     assert barrier, tokens[-1]
+
+
+def test_a_pmean_of_gradients_jax_already_summed():
+    """With shard_map's checks, jax's transposes sum the gradients of replicated parameters where
+    the backward pass makes them, and a program that pmeans them again reduces their sums: those
+    all-reduces read the first ones' results, so they move to just after the wait, and the step
+    equals the unswitched one bit for bit. (With biases, jax reads each bias's sum at once, by a
+    reduction, and the body is left as written: the end of this test.)"""
+    rng = np.random.default_rng(14)
+    params = {"layers": [jnp.asarray(rng.integers(-1, 2, (16, 16)), jnp.float32) for _ in range(5)],
+              "head": jnp.asarray(rng.integers(-1, 2, (16, 3)), jnp.float32)}
+    x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
+    mesh = _mesh()
+
+    def loss(p, v):
+        for w in p["layers"]:
+            v = v @ w
+        return jnp.sum(v @ p["head"])
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    def step(p, x):
+        value, grads = jax.value_and_grad(loss)(p, x[0])
+        grads = lax.pmean(grads, "data")
+        return jax.tree.map(lambda a, g: a - 0.5 * g, p, grads), lax.pmean(value, "data")
+
+    rewrite = overlap.overlap_all_reduces(_body(step, params, x), 2048)
+    assert rewrite.operands == 7, rewrite.reason  # 6 gradients and the loss; not the 6 pmeans
+    names = [e.primitive.name for e in rewrite.jaxpr.eqns]
+    done = names.index("jax_blink_overlap_done")
+    assert names.count("psum_invariant") == 6 and names.index("psum_invariant") > done
+    assert overlap._first_unbound(rewrite.jaxpr) is None
+    with override(merge_bytes=2048):
+        plain, switched, _, report = _run(step, params, x)
+    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert sum(d.operands for d in report if d.overlapped) == 7
+
+    loss = _loss(True)  # with biases
+    rewrite = overlap.overlap_all_reduces(_body(step, _params(rng, exact=True), x), 2048)
+    assert rewrite.buckets == 0 and rewrite.blocked, rewrite.reason

@@ -96,6 +96,13 @@ def merge_all_reduces(jaxpr):
     return _jx.replace_eqns(jaxpr, out) if changed else jaxpr
 
 
+def operand_bytes(aval) -> int | None:
+    """An operand's bytes per rank; None for a shape with symbolic dimensions."""
+    if not all(isinstance(d, (int, np.integer)) for d in aval.shape):
+        return None
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
 def merge_groups(avals, cap_bytes: int) -> list[list[int]]:
     """The operands (indices into ``avals``) that go in one call each, in the order of their first
     operand: operands of one dtype (and one set of varying axes, which a concatenation needs) in
@@ -105,11 +112,10 @@ def merge_groups(avals, cap_bytes: int) -> list[list[int]]:
     groups: list[list[int]] = []
     open_group: dict[tuple, tuple[list[int], int]] = {}  # key -> (group being filled, its bytes)
     for i, aval in enumerate(avals):
-        shape = aval.shape
-        if not all(isinstance(d, (int, np.integer)) for d in shape) or int(np.prod(shape)) == 0:
+        nbytes = operand_bytes(aval)
+        if not nbytes:  # symbolic or empty
             groups.append([i])
             continue
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
         key = (np.dtype(aval.dtype), frozenset(getattr(aval, "vma", ()) or ()))
         group, filled = open_group.get(key, (None, 0))
         if group is None or filled + nbytes > cap_bytes:
@@ -120,4 +126,4 @@ def merge_groups(avals, cap_bytes: int) -> list[list[int]]:
     return groups
 
 
-__all__ = ["MERGEABLE", "all_reduce_key", "merge_all_reduces", "merge_groups", "merged_all_reduce_p"]
+__all__ = ["MERGEABLE", "all_reduce_key", "merge_all_reduces", "merge_groups", "merged_all_reduce_p", "operand_bytes"]

@@ -60,10 +60,10 @@ _NAME_OF = {prim: name for name, prim in OVERLAPPABLE.items()}
 #: values ``held`` passed through with it. Exists only in jaxprs that the switch lowers.
 start_p = Primitive("jax_blink_overlap_start")
 start_p.multiple_results = True
-#: ``done(result_1, passed_1, ..., result_B, passed_B, token, *after, ids=, buckets=, shapes=,
-#: after=)`` -> the waited buckets' all-reduces' results, in bucket order (``ids``: the starts'
-#: ``bucket`` parameters, ``buckets``: how many results each holds, ``shapes``: each result's
-#: shape, ``after``: how many values the wait is tied behind besides the token).
+#: ``done(result_1, passed_1, ..., result_B, passed_B, token, *after, ids=, buckets=, after=)`` ->
+#: the waited buckets' all-reduces' results, in bucket order (``ids``: the starts' ``bucket``
+#: parameters, ``buckets``: how many results each holds, ``after``: how many values the wait is
+#: tied behind besides the token).
 done_p = Primitive("jax_blink_overlap_done")
 done_p.multiple_results = True
 
@@ -104,7 +104,7 @@ def _key(eqn):
     name = _NAME_OF.get(eqn.primitive)
     if name is None or len(eqn.invars) != 1 or not _jx.is_var(eqn.invars[0]):
         return None
-    if _nbytes(eqn.invars[0].aval) is None:  # symbolic dimensions: the switch leaves those to XLA
+    if _merge.operand_bytes(eqn.invars[0].aval) is None:  # symbolic dimensions: left to XLA
         return None
     key = _merge.all_reduce_key(eqn)
     return key if key is not None and key[0] == name else None
@@ -120,12 +120,6 @@ def _is_heavy(eqn) -> bool:
     convolution, or a nested call (a jit, a remat, a loop)."""
     return (eqn.primitive.name in ("dot_general", "conv_general_dilated", "ragged_dot")
             or bool(_jx.nested_jaxprs(eqn)))
-
-
-def _nbytes(aval) -> int | None:
-    if not all(isinstance(d, (int, np.integer)) for d in aval.shape):
-        return None
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> Rewrite:
@@ -263,7 +257,7 @@ def _in_flight(candidates, ready, first_read, eqns) -> set[int]:
     best, best_bytes = set(), 0
     for t in sorted({ready[i] for i in candidates}):
         across = {i for i in candidates if ready[i] <= t < first_read(i)}
-        size = sum(_nbytes(eqns[i].invars[0].aval) for i in across)
+        size = sum(_merge.operand_bytes(eqns[i].invars[0].aval) for i in across)
         if (size, len(across)) > (best_bytes, len(best)):
             best, best_bytes = across, size
     return best
@@ -372,9 +366,7 @@ def _emit(jaxpr, eqns, items, buckets):
         operands = [v for b in waited for v in started[b]] + [started[-1][1], *(read(v) for v in after)]
         out.append(_jx.new_eqn(operands, [e.outvars[0] for e in members], done_p,
                                {"ids": tuple(ids[b] for b in waited),
-                                "buckets": tuple(len(buckets[b]) for b in waited),
-                                "shapes": tuple(tuple(e.outvars[0].aval.shape) for e in members),
-                                "after": len(after)},
+                                "buckets": tuple(len(buckets[b]) for b in waited), "after": len(after)},
                                set(), members[-1]))
     outvars = [read(v) for v in jaxpr.outvars]
     return _jx.replace_eqns(jaxpr, out, outvars=outvars)

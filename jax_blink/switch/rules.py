@@ -427,15 +427,40 @@ def _decide(name: str, platform: str, ctx, params: dict, aval=None) -> tuple[Swi
 # Emitting the custom call: a traced function lowered in place of the primitive
 # (mlir.lower_fun), given this device's mesh position as an extra operand.
 
+def _ranks(plan: _Plan, position) -> SubGroup:
+    """This device's rank and group from its mesh position (a lowering rule sees no axis
+    environment, so no axis index)."""
+    return SubGroup(n=plan.n, rank=jax.numpy.asarray(plan.rank_of)[position],
+                    group=jax.numpy.asarray(plan.group_of)[position], devices=(),
+                    rank_process=None, rank_device=None)
+
+
 def _call(flat, plan: _Plan, position, collective: str, op: str = "sum"):
     """The ``jax_blink_collective`` custom call over a flat operand, inside a traced function: the
-    lowering's own call (jax_blink.lowering.custom_call.collective_call), given this device's rank and group from its
-    mesh position instead of an axis index (a lowering rule sees no axis environment)."""
-    sub = SubGroup(n=plan.n, rank=jax.numpy.asarray(plan.rank_of)[position],
-                   group=jax.numpy.asarray(plan.group_of)[position], devices=(),
-                   rank_process=None, rank_device=None)
+    lowering's own call (jax_blink.lowering.custom_call.collective_call), its ranks from the mesh
+    position (:func:`_ranks`)."""
     return custom_call.collective_call(flat, (), collective, op=op, platform=plan.exec_platform,
-                                 topology=custom_call.default_topology(plan.n, plan.exec_platform), sub=sub)
+                                       topology=custom_call.default_topology(plan.n, plan.exec_platform),
+                                       sub=_ranks(plan, position))
+
+
+def _joined(xs):
+    """Operands as one flat array (a merged run's or an overlapped bucket's)."""
+    return jax.numpy.concatenate([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+
+
+def _split(flat, avals) -> list:
+    """The inverse of :func:`_joined`: ``flat`` cut back into arrays of ``avals``' shapes."""
+    sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
+    return [lax.slice(flat, (int(e - k),), (int(e),)).reshape(a.shape)
+            for k, e, a in zip(sizes, np.cumsum(sizes), avals)]
+
+
+def _replaced_rule(name: str, platform: str):
+    """The rule the switch replaced for primitive ``name`` on ``platform`` (jax's own, or its generic
+    one): what a call that goes to XLA lowers with."""
+    own = _saved.get((name, platform))
+    return _jx.rule_of(own if own is not None else _jx.generic_rule(_jx.PRIMITIVES[name]))
 
 
 def _lower(ctx, body, *args, multiple_results: bool = False):
@@ -498,8 +523,7 @@ def _merged_rule(platform: str):
     def rule(ctx, *args, name, params):
         params = dict(params)
         prim = _jx.PRIMITIVES[name]
-        own = _saved.get((name, platform))
-        replaced = _jx.rule_of(own if own is not None else _jx.generic_rule(prim))
+        replaced = _replaced_rule(name, platform)
         outs: list = [None] * len(args)
 
         def one(i):  # operand i as jax's equation of its own would lower it
@@ -522,13 +546,9 @@ def _merged_rule(platform: str):
                     outs[i], = replaced(*one(i), **params)
                 continue
 
-            def body(*operands, plan=plan, sizes=sizes, avals=avals):
+            def body(*operands, plan=plan, avals=avals):
                 *xs, position = operands
-                joined = jax.numpy.concatenate([x.reshape(-1) for x in xs])
-                reduced = _call(joined, plan, position, "allreduce", plan.op)
-                ends = np.cumsum(sizes)
-                return [lax.slice(reduced, (int(e - n),), (int(e),)).reshape(a.shape)
-                        for n, e, a in zip(sizes, ends, avals)]
+                return _split(_call(_joined(xs), plan, position, "allreduce", plan.op), avals)
 
             for i, piece in zip(group, _lower(sub, body, *(args[i] for i in group), multiple_results=True)):
                 outs[i] = piece
@@ -549,8 +569,7 @@ def _overlap_start_rule(platform: str):
     def rule(ctx, *args, bucket, name, params, count, last):
         params = dict(params)
         prim = _jx.PRIMITIVES[name]
-        own = _saved.get((name, platform))
-        replaced = _jx.rule_of(own if own is not None else _jx.generic_rule(prim))
+        replaced = _replaced_rule(name, platform)
         result_aval, flat_aval = ctx.avals_out[0], ctx.avals_out[1]
         operands, avals = args[:count], ctx.avals_in[:count]
         sub = ctx.replace(primitive=prim, avals_in=list(avals), avals_out=[result_aval])
@@ -558,13 +577,10 @@ def _overlap_start_rule(platform: str):
         with _lock:
             _decisions.append(dataclasses.replace(decision, operands=count, overlapped=True))
 
-        def joined(*xs):
-            return jax.numpy.concatenate([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-
         if plan is None:
             with _lock:
                 _sites[bucket] = None
-            flat, = mlir.lower_fun(joined, multiple_results=False)(
+            flat, = mlir.lower_fun(lambda *xs: _joined(xs), multiple_results=False)(
                 ctx.replace(primitive=None, avals_in=list(avals), avals_out=[flat_aval]), *operands)
             result, = replaced(ctx.replace(primitive=prim, avals_in=[flat_aval], avals_out=[result_aval]),
                                flat, **params)
@@ -573,12 +589,9 @@ def _overlap_start_rule(platform: str):
         def body(*operands_held_position):
             *values, position = operands_held_position
             xs, held = values[:count], values[count:]
-            group = SubGroup(n=plan.n, rank=jax.numpy.asarray(plan.rank_of)[position],
-                             group=jax.numpy.asarray(plan.group_of)[position], devices=(),
-                             rank_process=None, rank_device=None)
-            flat = joined(*xs)
+            flat = _joined(xs)
             passed, result, site = _async.start_call(
-                flat, (), op=plan.op, platform=plan.exec_platform, full_grid=last, sub=group,
+                flat, (), op=plan.op, platform=plan.exec_platform, full_grid=last, sub=_ranks(plan, position),
                 topology=custom_call.default_topology(plan.n, plan.exec_platform),
                 result_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype))
             with _lock:
@@ -601,7 +614,7 @@ def _overlap_done_rule(platform: str):
     behind first. The block's next jax_blink call waits for every bucket's wait."""
     del platform
 
-    def rule(ctx, *args, ids, buckets, shapes, after=0):
+    def rule(ctx, *args, ids, buckets, after=0):
         at = 2 * len(ids)
         token, token_aval = args[at], ctx.avals_in[at]
         if after:  # a late wait: the token only once every value it is tied behind exists
@@ -616,13 +629,10 @@ def _overlap_done_rule(platform: str):
             with _lock:
                 site = _sites.pop(bucket, None)
             avals = list(ctx.avals_out[first:first + count])
-            sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes[first:first + count]]
 
-            def body(result, passed, token, site=site, avals=avals, sizes=sizes):
+            def body(result, passed, token, site=site, avals=avals):
                 done = result if site is None else _async.done_call(passed, result, token, site)
-                ends = np.cumsum(sizes)
-                return [done, *(lax.slice(done, (int(e - k),), (int(e),)).reshape(a.shape)
-                                for k, e, a in zip(sizes, ends, avals))]
+                return [done, *_split(done, avals)]
 
             sub = ctx.replace(primitive=None, avals_in=[result_aval, passed_aval, token_aval],
                               avals_out=[result_aval, *avals])

@@ -251,10 +251,7 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch, 
     with override(dispatch="blink"):
         text = f.lower(params, xs).as_text()
     lines = text.split("\n")
-    starts = [i for i, l in enumerate(lines) if "@jax_blink_start(" in l]
-    dones = [i for i, l in enumerate(lines) if "@jax_blink_done(" in l]
-    barriers = [i for i, l in enumerate(lines) if "optimization_barrier" in l]
-    dots = [i for i, l in enumerate(lines) if "stablehlo.dot_general" in l]
+    starts, dones, barriers, dots = overlap_lines(text)
     assert len(starts) >= 4 and len(dones) == len(starts), text
     assert max(starts) < min(dones)
     # A barrier after every start but the last, and backward matrix products after the first start.
@@ -262,6 +259,15 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch, 
     assert any(starts[0] < d < starts[-1] for d in dots)
     # Each barrier passes the start's output and at least one value of the rest of the pass.
     assert all(_barrier_operands(lines[b]) >= 2 for b in barriers), text
+
+
+def overlap_lines(text: str) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The line numbers of a lowered program's (StableHLO text) starts, dones, optimization
+    barriers and matrix products: where the overlapped form put what."""
+    lines = text.split("\n")
+    return tuple([i for i, line in enumerate(lines) if mark in line]
+                 for mark in ("@jax_blink_start(", "@jax_blink_done(", "optimization_barrier",
+                              "stablehlo.dot_general"))
 
 
 def _barrier_operands(line: str) -> int:

@@ -20,18 +20,13 @@ import jax_blink
 from jax_blink.lowering import async_call
 from jax_blink.options import override
 from jax_blink.switch import overlap
-from test_ordering import _assert_totally_ordered  # tests/ is on sys.path: pytest's prepend import mode
+# tests/ is on sys.path (pytest's prepend import mode): the switch tests' runner and clean-up
+from test_async import overlap_lines
+from test_switch_merge import _run, _switch_off_after_each_test  # noqa: F401 (an autouse fixture)
 
 DEVICES = jax.devices()
 N = len(DEVICES)
 pytestmark = pytest.mark.skipif(N < 8, reason="needs the 8 CPU host devices of tests/conftest.py")
-_CALL = re.compile(r'custom_call_target="jax_blink_collective(?:_lite)?(?:_cb)?"')
-
-
-@pytest.fixture(autouse=True)
-def _switch_off_after_each_test():
-    yield
-    jax_blink.uninstall()
 
 
 def _mesh():
@@ -86,19 +81,6 @@ def _step(loss, *, pcast: bool, bucketed: bool = False, extra=None):
         return out if extra is None else (out, extra(x[0]))
 
     return step
-
-
-def _run(step, *args):
-    plain = step(*args)
-    with jax_blink.installed(), override(dispatch="blink"):
-        jax_blink.switch_report(clear=True)
-        compiled = step.lower(*args).compile()
-        switched = compiled(*args)
-        report = jax_blink.switch_report()
-    hlo = compiled.as_text()
-    calls = len(_CALL.findall(hlo))
-    _assert_totally_ordered(hlo, calls)
-    return plain, switched, calls, report
 
 
 @pytest.mark.parametrize("form", ["psum_after_grad", "bucketed", "pcast"])
@@ -283,11 +265,7 @@ def test_gpu_lowering_starts_on_the_side_stream_with_barriers(monkeypatch):
     step = _step(_loss(False), pcast=True)
     with jax_blink.installed(), override(dispatch="blink", merge_bytes=2048):
         text = step.lower(params, x).as_text()
-    lines = text.split("\n")
-    starts = [i for i, l in enumerate(lines) if "@jax_blink_start(" in l]
-    dones = [i for i, l in enumerate(lines) if "@jax_blink_done(" in l]
-    barriers = [i for i, l in enumerate(lines) if "optimization_barrier" in l]
-    dots = [i for i, l in enumerate(lines) if "stablehlo.dot_general" in l]
+    starts, dones, barriers, dots = overlap_lines(text)
     assert len(starts) >= 3 and len(dones) == len(starts), text
     assert max(starts) < min(dones)
     assert any(starts[0] < d < starts[-1] for d in dots)

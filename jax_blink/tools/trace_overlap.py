@@ -98,11 +98,17 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
 
     Returns:
         ``{"devices": {name: {"ours_us", "compute_us", "beside_us", "overlap", "our_kernels"}},
-        "ours_us", "beside_us", "overlap"}``; ``overlap`` is None where no kernel of ours ran.
+        "ours_us", "beside_us", "overlap", "span_us"}``; ``overlap`` is None where no kernel of ours
+        ran; ``span_us`` is the GPUs' time for what the trace holds: from the first event of any GPU
+        to the last one's end (0 where no process is named as a GPU: a CPU run's trace).
     """
     names = process_names(trace)
+    named_gpus = any("/device:GPU" in n for n in names.values())
     per: dict = {}
+    first, last = float("inf"), float("-inf")
     for pid, name, span, _ in gpu_spans(trace, names):
+        if named_gpus:
+            first, last = min(first, span[0]), max(last, span[1])
         d = per.setdefault(pid, {"ours": [], "compute": []})
         if ours.search(name):
             d["ours"].append(span)
@@ -122,17 +128,21 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
         total_beside += beside
     out["ours_us"], out["beside_us"] = total_ours, total_beside
     out["overlap"] = total_beside / total_ours if total_ours else None
+    out["span_us"] = last - first if last > first else 0.0
     return out
 
 
 def describe(summary: dict) -> str:
-    """One line: the overlap figure, our kernel time and the devices it was measured on."""
+    """One line: the overlap figure, our kernel time and the devices it was measured on, and the
+    GPUs' span of the trace."""
+    span = summary.get("span_us", 0.0)
+    tail = f"; GPU span {span / 1e3:.3f} ms (first kernel of any GPU to the last one's end)" if span else ""
     if summary["overlap"] is None:
-        return "no jax_blink kernel in the trace (no GPU kernels, or the step ran none)"
+        return "no jax_blink kernel in the trace (no GPU kernels, or the step ran none)" + tail
     n = len(summary["devices"])
     return (f"overlap {summary['overlap']:.1%}: {summary['beside_us'] / 1e3:.3f} ms of "
             f"{summary['ours_us'] / 1e3:.3f} ms of jax_blink kernel time ran beside other kernels "
-            f"(sum over {n} GPU(s))")
+            f"(sum over {n} GPU(s)){tail}")
 
 
 def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:

@@ -63,6 +63,17 @@ def test_serial_and_parallel_extremes():
     assert trace_overlap.summarize(serial)["overlap"] == 0.0
     assert trace_overlap.summarize(beside)["overlap"] == 1.0
     assert trace_overlap.summarize({"traceEvents": []})["overlap"] is None
+    # The GPUs' span: first event of any GPU to the last one's end, whatever ran; none where no
+    # process is named as a GPU (a CPU run's trace holds the host's Python frames).
+    assert trace_overlap.summarize(serial)["span_us"] == 0.0
+    assert "GPU span" not in trace_overlap.describe(trace_overlap.summarize(serial))
+    named = {"traceEvents": [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+                             for p, n in ((0, "/device:GPU:0"), (1, "/device:GPU:1"), (2, "/host:CPU"))]
+             + [{"ph": "X", "pid": 0, "ts": 3, "dur": 10, "name": "fusion"},
+                {"ph": "X", "pid": 1, "ts": 5, "dur": 12, "name": "oneshot_kernel"},
+                {"ph": "X", "pid": 2, "ts": 0, "dur": 50, "name": "PjitFunction"}]}
+    assert trace_overlap.summarize(named)["span_us"] == 14.0
+    assert "GPU span 0.014 ms" in trace_overlap.describe(trace_overlap.summarize(named))
     with pytest.raises(ValueError, match="not a Chrome trace"):
         p = __import__("pathlib").Path(__import__("tempfile").mkdtemp()) / "x.json"
         p.write_text("{}")

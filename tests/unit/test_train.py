@@ -155,7 +155,7 @@ def test_psum_blink_and_switch_train_alike(model):
 def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JAX_BLINK_ASYNC_ENGINE", "ce")  # recorded: what an overlapped mode would run on
     rc = cli.main(["--model", "gpt2", "--collective", "switch", "--steps", "3", "--layers", "1",
-                   "--width", "16", "--timing-runs", "2", "--bucket-mb", "0.01", "--first-bucket-mb",
+                   "--width", "16", "--timing-runs", "2", "--chain", "2", "--bucket-mb", "0.01", "--first-bucket-mb",
                    "0.002", "--quick-compile", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -166,6 +166,7 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
     assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-late", "switch-sync", "none"}
+    assert record["timing"]["chain"] == 2 and "runs of 2 steps in a row" in out
     # Overlapped, each bucket's psum is a start of its own; without the overlap the buckets' adjacent
     # psums merge into calls of at most the step's bucket cap (here each bucket is most of the cap).
     timing = record["timing"]["modes"]
@@ -189,6 +190,7 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     (["--model", "gpt2", "--image-size", "32"], "--image-size"),
     (["--model", "gpt2", "--width", "30", "--heads", "4"], "--width"),
     (["--model", "gpt2", "--timing-runs", "-1"], "--timing-runs"),
+    (["--model", "gpt2", "--chain", "0"], "--chain"),
     (["--model", "gpt2", "--first-bucket-mb", "30"], "--first-bucket-mb"),
     (["--steps", "3"], "--model"),
     (["--model", "gpt2", "--stream", "1"], "--stream"),  # CPU host devices: no streams
@@ -199,6 +201,28 @@ def test_cli_bad_flags_are_usage_errors(argv, flag, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_time_steps_chains_each_run_from_the_same_state():
+    """Each timed run is `chain` steps in a row, each fed the previous one's state, every run from
+    the state given; the times are per step."""
+    seen = {"a": [], "b": []}
+
+    class Steps:
+        batches = ["batch"]
+
+        def compiled(self, mode):
+            def step(state, batch):
+                assert batch == "batch"
+                seen[mode].append(state)
+                return state + 1, np.float32(0.5)
+            return step
+
+    times = cli.time_steps(Steps(), ["a", "b"], 10, runs=3, chain=4)
+    assert {m: len(t) for m, t in times.items()} == {"a": 3, "b": 3}
+    assert all(t > 0 for ts in times.values() for t in ts)
+    for m in ("a", "b"):  # compile, warm-up and 3 runs, 4 steps each from state 10
+        assert seen[m] == [10, 11, 12, 13] * 5, seen[m]
 
 
 def test_cli_times_both_holds_of_the_overlapped_step(tmp_path, capsys):

@@ -7,7 +7,10 @@ collectives cost.
 prints the bucket layout, ``step <n> loss <value>`` for every step, then the step time of psum and
 of jax_blink (the ``--collective`` mode, ``blink`` when that is psum) and the share of the step
 spent in collectives: (t(step) - t(the same step with the all-reduce taken out)) / t(step), the
-three compiled steps timed in turns on the same state and batch (median of ``--timing-runs``).
+compiled steps timed in turns from the same state and batch (median of ``--timing-runs``), each
+timed run ``--chain`` steps in a row, each step fed the previous one's state and dispatched without
+waiting for it, as a training loop runs them (the host's dispatch of one step then hides behind the
+GPUs' work on the one before, and what is timed is the GPUs' step).
 The results go to ``--out`` (default ``jax_blink_results`` in the current folder, made if
 missing; the run says where it wrote) as ``train-<model>-<size>-<device kind>-x<devices>-<date>.{json,txt}``.
 
@@ -113,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
                         "recent (default), all, or both (times the two overlapped steps side by side)")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
+    p.add_argument("--chain", type=_positive_int("--chain"), default=4,
+                   help="steps in a row per timed run, each fed the previous step's state without waiting "
+                        "for it, as a training loop runs them; the time per step is the run's / chain "
+                        "(default 4; 1 times each step alone, the host's dispatch included)")
     p.add_argument("--stream", type=_positive_int("--stream"),
                    help="experimental, GPU: run each bucket's jax_blink all-reduce as an asynchronous call "
                         "on XLA stream N (jax's compute_on gpu_stream:N), so that it may overlap compute "
@@ -185,13 +192,20 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def time_steps(dp, modes: Sequence[str], state, runs: int) -> dict[str, list[float]]:
-    """Wall times of one step of each mode on ``state`` and the first batch, the modes taking
-    turns (:func:`jax_blink.tools.timing.interleaved_times`)."""
+def time_steps(dp, modes: Sequence[str], state, runs: int, chain: int = 1) -> dict[str, list[float]]:
+    """Wall time per step of each mode from ``state`` on the first batch, the modes taking turns
+    (:func:`jax_blink.tools.timing.interleaved_times`): each run is ``chain`` steps in a row, each
+    fed the previous one's state without waiting for it, timed to the last one's end, / ``chain``."""
     from jax_blink.tools.timing import interleaved_times
     batch = dp.batches[0]
-    fns = [lambda s, c=dp.compiled(m): _Done(c(s, batch)) for m in modes]
-    return dict(zip(modes, interleaved_times(fns, state, runs)))
+
+    def steps(s, c):
+        for _ in range(chain):
+            s, loss = c(s, batch)
+        return _Done((s, loss))
+
+    fns = [lambda s, c=dp.compiled(m): steps(s, c) for m in modes]
+    return {m: [t / chain for t in ts] for m, ts in zip(modes, interleaved_times(fns, state, runs))}
 
 
 def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
@@ -309,11 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
         modes = (["psum", ours] + (overlapped if ours == "blink" else [])
                  + (["switch-late", "switch-sync"] if ours == "switch" else []) + ["none"])
-        times = time_steps(dp, modes, state, args.timing_runs)
+        times = time_steps(dp, modes, state, args.timing_runs, args.chain)
         med = {m: statistics.median(t) for m, t in times.items()}
-        say(f"time per step, median of {args.timing_runs} runs taken in turns ({n} x {kind}; collective share = "
-            "(t - t(no all-reduce)) / t, the same step with the all-reduce taken out):")
-        record["timing"] = {"runs": args.timing_runs, "method": "step with the all-reduce removed", "modes": {}}
+        how = (f"runs of {args.chain} steps in a row, each dispatched without waiting for the one before"
+               if args.chain > 1 else "runs of one step, the host's dispatch included")
+        say(f"time per step, median of {args.timing_runs} {how}, the modes taking turns ({n} x {kind}; "
+            "collective share = (t - t(no all-reduce)) / t, the same step with the all-reduce taken out):")
+        record["timing"] = {"runs": args.timing_runs, "chain": args.chain,
+                            "method": "step with the all-reduce removed", "modes": {}}
         labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
                   "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
                   "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",
@@ -341,7 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             "xla_all_reduces": counted["all-reduce"],
                                             "jax_blink_calls": counted["jax_blink"]}
     if args.profile and args.timing_runs:
-        record["profile"] = profile_modes(dp, [m for m in modes if m != "none"], state, Path(args.profile), say)
+        record["profile"] = profile_modes(dp, modes, state, Path(args.profile), say)
+        spans = {m: p["span_us"] for m, p in record["profile"].items() if p.get("span_us")}
+        if "none" in spans and len(spans) > 1:
+            say("  GPU span of one profiled step less the step without the all-reduce's (measured, "
+                "one step each): " + ", ".join(f"{m} {(spans[m] - spans['none']) / 1e3:.3f} ms"
+                                                for m in spans if m != "none"))
     if not args.no_write:
         out = Path(args.out or DEFAULT_OUT)
         made = not out.exists()

@@ -310,8 +310,10 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
 
     def once_host(gpus: int, d2h: bool, h2d: bool, peers: int = 0) -> dict[str, float]:
         """GPUs 0 .. gpus - 1 copy to and/or from pinned host memory (and push to ``peers`` peers on
-        streams of their own); per kind of copy, the longest time any GPU's streams took, by events."""
-        spans: dict[str, list[tuple]] = {"d2h": [], "h2d": [], "peers": []}
+        streams of their own); per kind of copy, the longest time any GPU took for it, by events: from
+        the first of its streams' starts to the last one's end (its pushes, on several streams, may run
+        one after another: each stream's own span would miss that)."""
+        spans: dict[str, dict[int, list[tuple]]] = {"d2h": {}, "h2d": {}, "peers": {}}
         for g in range(gpus):
             with cp.cuda.Device(g):
                 (hsrc, _), (hdst, _), dev = hosts[g]
@@ -329,9 +331,15 @@ def run(nbytes: int, runs: int, engines: list[str]) -> tuple[list[dict], int, st
                     e0.record(s)
                     go(s)
                     e1.record(s)
-                    spans[what].append((e0, e1))
+                    spans[what].setdefault(g, []).append((e0, e1))
         sync_all()
-        return {what: max(cp.cuda.get_elapsed_time(a, b) for a, b in ev) / 1e3 for what, ev in spans.items() if ev}
+
+        def span_s(pairs):  # one GPU's events: the first start to the last end, in seconds
+            ref = pairs[0][0]
+            return (max(cp.cuda.get_elapsed_time(ref, b) for _, b in pairs)
+                    - min(cp.cuda.get_elapsed_time(ref, a) for a, _ in pairs)) / 1e3
+
+        return {what: max(span_s(pairs) for pairs in per_gpu.values()) for what, per_gpu in spans.items() if per_gpu}
 
     host_streams = [[] for _ in range(n)]
     if "host" in engines:

@@ -166,6 +166,12 @@ def test_host_copies_beside_the_peers_are_timed_and_checked(monkeypatch):
     assert ("ce", "push", 2, "3 GPU(s) at once, no host copies, timed like the row beside them") in hows
     assert len(rows) == 3 * 4 + 1 + 3 and all(r["gbps"] > 0 for r in rows)
     assert not fake.pinned
+    # A GPU's pushes to its 2 peers, each on its own stream, are timed from the first one's start to
+    # the last one's end (the fake clock ticks 1 ms per event: start, end, start, end), not as the
+    # longest single stream (1 ms), which would miss pushes that run one after another.
+    time = {(r["engine"], r["how"]): r["time_us"] for r in rows}
+    assert time[("ce", "3 GPU(s) at once, no host copies, timed like the row beside them")] == pytest.approx(3000)
+    assert time[("host", "1 GPU(s) at once")] == pytest.approx(1000)
 
 
 @pytest.mark.parametrize("broken,says", [("d2h", "GPU 0's pinned copy holds \\[0.0\\], not only 1"),

@@ -25,7 +25,7 @@ where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before
 * **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
   start's operand as its token) and gives the original all-reduces' results; what reads one of
   them before the last start (another all-reduce of it) moves to just after the wait. With
-  ``jax_blink.config.switch_late_last_wait`` (off by default, not yet measured on GPUs) the last
+  ``jax_blink.config.switch_late_last_wait`` (off by default: measured slower on GPUs) the last
   bucket gets a wait of its own, tied behind everything that does not read its results (the
   optimizer's update of the other buckets' parameters), which then runs beside its kernel.
 

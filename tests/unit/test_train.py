@@ -225,6 +225,28 @@ def test_time_steps_chains_each_run_from_the_same_state():
         assert seen[m] == [10, 11, 12, 13] * 5, seen[m]
 
 
+def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, monkeypatch):
+    """--profile traces every timed mode, the step without all-reduce too; from their GPU spans the
+    tool prints each mode's span less that step's, and a note when the GPUs' span is well under the
+    timed step (host-bound). CPU traces name no GPU, so the spans here are a stand-in's."""
+    traced = []
+
+    def fake_profile(dp, modes, state, folder, say):
+        traced.extend(modes)
+        return {m: {"span_us": 1.0 + 250.0 * (m != "none"), "overlap": None} for m in modes}
+
+    monkeypatch.setattr(cli, "profile_modes", fake_profile)
+    rc = cli.main(["--model", "gpt2", "--collective", "switch", "--steps", "1", "--layers", "1", "--width", "16",
+                   "--timing-runs", "1", "--chain", "2", "--bucket-mb", "0.01", "--first-bucket-mb", "0.002",
+                   "--quick-compile", "--profile", str(tmp_path / "prof"), "--no-write"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert traced == ["psum", "switch", "switch-late", "switch-sync", "none"]
+    assert "psum 0.250 ms, switch 0.250 ms, switch-late 0.250 ms, switch-sync 0.250 ms" in out, out
+    # A 1 us GPU span against a CPU step of milliseconds: host-bound, and the note says so.
+    assert "note: host-bound: the step without all-reduce spans 0.001 ms on the GPUs" in out, out
+
+
 def test_cli_times_both_holds_of_the_overlapped_step(tmp_path, capsys):
     """--hold both times the overlapped step with each hold beside psum, the synchronous calls and
     the step without all-reduce, each with a jax_blink call per bucket."""

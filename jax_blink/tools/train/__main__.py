@@ -367,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "none" in spans and "timing" in record and spans["none"] / 1e6 < 0.8 * med["none"]:
             # The GPUs wait for the host's launches: the timed steps then measure the host, not the
             # all-reduce, and no collective can hide anything.
-            say(f"  note: host-bound: the step without all-reduce keeps the GPUs busy for "
-                f"{spans['none'] / 1e3:.3f} ms of its {med['none'] * 1e3:.3f} ms timed step; the step times "
+            say(f"  note: host-bound: the step without all-reduce spans {spans['none'] / 1e3:.3f} ms on the GPUs "
+                f"(first kernel to last) of its {med['none'] * 1e3:.3f} ms timed step; the step times "
                 "measure the host's dispatch more than the collectives (a larger --batch gives the GPUs more work)")
     if not args.no_write:
         out = Path(args.out or DEFAULT_OUT)

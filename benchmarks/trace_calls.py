@@ -22,7 +22,7 @@ from jax.profiler import ProfileData
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_blink
-from jax_blink.tools.bench import parse_size
+from jax_blink.tools.arguments import byte_count, whole_number
 from jax_blink.tools.timing import chained as _chained
 
 
@@ -71,14 +71,16 @@ def report(label: str, fn, x, pattern: tuple[str, ...], k: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bytes", default="4M")
-    ap.add_argument("--k", type=int, default=20)
+    ap = argparse.ArgumentParser(description="Where the time of chained all-reduces goes, per GPU (CUPTI).")
+    ap.add_argument("--bytes", type=byte_count, default="4M", help="bytes per rank, float32 (default 4M; at least 4)")
+    ap.add_argument("--k", type=whole_number(1), default=20, help="chained calls per program (default 20)")
     a = ap.parse_args()
+    if a.bytes < 4:
+        ap.error(f"--bytes: got {a.bytes}; takes at least 4 (one float32 per rank)")
     devices = jax.devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), ("x",), devices=devices)
-    count = parse_size(a.bytes) // 4
+    count = a.bytes // 4
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(n * count), jnp.float32),
                        NamedSharding(mesh, P("x")))
     ours = _chained(lambda v, ax: jax_blink.all_reduce(v, ax), mesh, "x", a.k, dispatch="blink")

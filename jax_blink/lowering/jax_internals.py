@@ -203,14 +203,13 @@ class CallChain:
 
 def holds_equation(jaxpr, predicate) -> bool:
     """Whether a (closed) jaxpr has an equation for which ``predicate(eqn)`` holds, at any depth
-    (jax._src.core.jaxprs_in_params: the jaxprs in an equation's parameters)."""
-    from jax._src import core
+    (:func:`nested_jaxprs`)."""
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:
         for eqn in stack.pop().eqns:
             if predicate(eqn):
                 return True
-            stack.extend(core.jaxprs_in_params(eqn.params))
+            stack.extend(nested_jaxprs(eqn))
     return False
 
 

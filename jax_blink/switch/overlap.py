@@ -124,7 +124,8 @@ def _is_heavy(eqn) -> bool:
 
 def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> Rewrite:
     """``jaxpr`` (a shard_map body, a core.Jaxpr) with its gradient all-reduces started early (the
-    module's docstring); ``cap_bytes``: most bytes per rank in one bucket (> 0); ``late_last_wait``:
+    module's docstring); ``cap_bytes``: most bytes per rank in one bucket (0, merging turned off:
+    one all-reduce per bucket); ``late_last_wait``:
     wait for the last bucket only after everything that does not read it (:func:`_late_wait`)."""
     eqns = list(jaxpr.eqns)
     n = len(eqns)

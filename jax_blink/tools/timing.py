@@ -33,6 +33,17 @@ def chained(fn, mesh, axis: str, k: int, **overrides):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
+class Ready:
+    """A pytree of results as one result for :func:`interleaved_times`, which waits on
+    ``result.block_until_ready()``: waits on every array of the tree."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def block_until_ready(self):
+        return jax.block_until_ready(self.tree)
+
+
 def interleaved_times(fns: list, x, runs: int, min_seconds: float = 0.0,
                       max_runs: int = 200) -> list[list[float]]:
     """Wall times of each of ``fns`` on ``x``, the functions taking turns (one run each per round,

@@ -104,6 +104,23 @@ def test_overlapped_step_equals_the_unswitched_step_bitwise(form):
     assert "started as they became ready" in str(started[0])
 
 
+def test_merging_off_starts_each_psum_in_a_bucket_of_its_own():
+    """merge_bytes=0 (merging off): the overlap still starts the gradients early, one all-reduce per
+    bucket, and the step keeps the unswitched bits."""
+    rng = np.random.default_rng(13)
+    params = _params(rng, exact=True)
+    x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
+    step = _step(_loss(True), pcast=False, bucketed=False)
+    rewrite = overlap.overlap_all_reduces(_body(step, params, x), 0)
+    assert rewrite.buckets == rewrite.operands == 11, rewrite.reason
+    with override(merge_bytes=0):
+        plain, switched, calls, report = _run(step, params, x)
+    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    started = [d for d in report if d.overlapped]
+    assert len(started) == calls == 11 and all(d.operands == 1 for d in started), report
+
+
 def test_overlapped_step_against_numpy_on_random_floats():
     """Fresh random weights and data (tanh layers): each summed gradient against numpy's float64
     sum of the per-device gradients, and the switched step against the unswitched one."""

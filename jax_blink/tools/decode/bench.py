@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_blink.tools.decode import model as _model
-from jax_blink.tools.timing import interleaved_times, spread
+from jax_blink.tools.timing import Ready, interleaved_times, spread
 
 #: A variant's logits may stray from psum's by this relative RMS where bitwise equality is not
 #: demanded: about 12 bfloat16 ulps (2^-8 each), far below what a wrong sum gives (``none``, which
@@ -132,16 +132,6 @@ def verdict(result: dict, wanted: str) -> str:
             f"FAILED (rel. RMS {result['rel_rms']:.2e} > {REL_RMS_TOLERANCE})")
 
 
-class _Done:
-    """A result for :func:`interleaved_times`, which waits on ``result.block_until_ready()``."""
-
-    def __init__(self, tree):
-        self.tree = tree
-
-    def block_until_ready(self):
-        return jax.block_until_ready(self.tree)
-
-
 def switch_verdict(against_psum: str, bitwise_vs_blink: bool, platform: str) -> str:
     """The switch's verdict, given its verdict against psum and whether it matched the explicit
     calls' program (``blink``) bit for bit: a mismatch fails on CPU; on GPUs it is named only.
@@ -199,7 +189,7 @@ def time_programs(programs: dict[str, Program], cfg, mesh, params, batch: int, s
         def run(_):
             ck, cv, toks, logits = prog.compiled(params, *state["cache"], tokens, greedy, start)
             state["cache"] = (ck, cv)
-            return _Done((ck, cv, toks, logits))
+            return Ready((ck, cv, toks, logits))
         return run
 
     names = list(programs)

@@ -176,18 +176,6 @@ def _ensure_host_devices(count: int) -> str:
     return ensure_host_devices(count)
 
 
-class _Done:
-    """A step's result for :func:`jax_blink.tools.timing.interleaved_times`, which waits on
-    ``result.block_until_ready()``: waits on every array of the pytree."""
-
-    def __init__(self, tree):
-        self.tree = tree
-
-    def block_until_ready(self):
-        import jax
-        return jax.block_until_ready(self.tree)
-
-
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -196,13 +184,13 @@ def time_steps(dp, modes: Sequence[str], state, runs: int, chain: int = 1) -> di
     """Wall time per step of each mode from ``state`` on the first batch, the modes taking turns
     (:func:`jax_blink.tools.timing.interleaved_times`): each run is ``chain`` steps in a row, each
     fed the previous one's state without waiting for it, timed to the last one's end, / ``chain``."""
-    from jax_blink.tools.timing import interleaved_times
+    from jax_blink.tools.timing import Ready, interleaved_times
     batch = dp.batches[0]
 
     def steps(s, c):
         for _ in range(chain):
             s, loss = c(s, batch)
-        return _Done((s, loss))
+        return Ready((s, loss))
 
     fns = [lambda s, c=dp.compiled(m): steps(s, c) for m in modes]
     return {m: [t / chain for t in ts] for m, ts in zip(modes, interleaved_times(fns, state, runs))}

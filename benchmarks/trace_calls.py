@@ -49,6 +49,29 @@ def _names(path: str) -> list[str]:
     return sorted(names)
 
 
+def host_events(path: str, top: int = 12) -> list[tuple[str, int, float, float]]:
+    """The host's busiest event names in a trace: (name, count, total us, longest us), by total time.
+
+    Every host thread's events count but Python frames, nested ones too (a parent's time includes its children's), so
+    the list shows where the host spent the traced run: XLA's command-buffer updates, our
+    handler's calls, the launches of each GPU's program.
+    """
+    total: dict[str, list[float]] = {}
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("$"):  # Python frames (the profiler's Python tracer)
+                    continue
+                t = total.setdefault(e.name[:70], [0, 0.0, 0.0])
+                t[0] += 1
+                t[1] += e.duration_ns / 1e3
+                t[2] = max(t[2], e.duration_ns / 1e3)
+    rows = [(name, int(c), tot, mx) for name, (c, tot, mx) in total.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 def report(label: str, fn, x, pattern: tuple[str, ...], k: int) -> None:
     fn(x).block_until_ready()
     d = tempfile.mkdtemp()
@@ -68,6 +91,10 @@ def report(label: str, fn, x, pattern: tuple[str, ...], k: int) -> None:
               f"span {(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e3:.1f} us")
         for i, (s, dur) in enumerate(evs[:6]):
             print(f"    #{i}: start {(s - t0) / 1e3:8.1f}  dur {dur / 1e3:7.1f}  gap {gaps[i - 1] / 1e3 if i else 0:7.1f}")
+    print(f"  host, busiest events of the traced run (every thread, Python frames left out; nested events counted in their parents too):")
+    print(f"    {'count':>6} {'total us':>10} {'longest us':>10}  name")
+    for name, c, tot, mx in host_events(path):
+        print(f"    {c:6d} {tot:10.1f} {mx:10.1f}  {name}")
 
 
 def main() -> None:

@@ -137,6 +137,7 @@ _CHECKS = {
     "allreduce_form": _choice("allreduce_form", ALLREDUCE_FORMS),
     "switch_overlap": _flag("switch_overlap"),
     "switch_late_last_wait": _flag("switch_late_last_wait"),
+    "switch_sparse_gradients": _flag("switch_sparse_gradients"),
 }
 
 
@@ -186,6 +187,11 @@ class Options:
             buckets' parameters runs beside its kernel (``JAX_BLINK_SWITCH_LATE_LAST_WAIT``,
             default False: slower on 4 x H200 in every model measured, the update and the
             all-reduce slowing each other).
+        switch_sparse_gradients: With ``switch_overlap``, an embedding lookup's gradient (a
+            scatter-add into zeros) is all-gathered as indices and rows instead of summed dense,
+            and a tied embedding's dense part starts early
+            (``JAX_BLINK_SWITCH_SPARSE_GRADIENTS``, default True;
+            :mod:`jax_blink.switch.sparse`).
 
     Raises:
         TypeError: An assigned value of the wrong type.
@@ -201,6 +207,7 @@ class Options:
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
     switch_overlap: bool = True  # the switch: gradient all-reduces started inside the backward pass
     switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
+    switch_sparse_gradients: bool = True  # the switch: embedding gradients gathered, not summed dense
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
 
     def __setattr__(self, name: str, value) -> None:
@@ -273,6 +280,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_ALLREDUCE_FORM": ("allreduce_form", str.lower, " / ".join(ALLREDUCE_FORMS)),
     "JAX_BLINK_SWITCH_OVERLAP": ("switch_overlap", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_SWITCH_LATE_LAST_WAIT": ("switch_late_last_wait", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_SWITCH_SPARSE_GRADIENTS": ("switch_sparse_gradients", _parse_flag, "1/true/yes/on or 0/false/no/off"),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # folder of tuned dispatch entries (dispatch_cache.py), the

@@ -54,6 +54,8 @@ from jax_blink.switch import merge as _merge
 #: The all-reduces the rewrite may start early, by the switch's name for them.
 OVERLAPPABLE = {name: _jx.PRIMITIVES[name] for name in ("psum", "psum_invariant")}
 _NAME_OF = {prim: name for name, prim in OVERLAPPABLE.items()}
+#: The same, by primitive.
+OVERLAPPABLE_PRIMITIVES = dict(_NAME_OF)
 
 #: ``start(*operands, *held, bucket=, name=, params=, count=, last=)`` -> ``(result, passed,
 #: *held)``: one bucket's all-reduce of ``count`` operands (flat, concatenated) started, and the
@@ -388,4 +390,4 @@ def _held(position, last_use, p, starts_at) -> list:
     return recent or [v for v in live if position[v] > starts_at[0]]
 
 
-__all__ = ["OVERLAPPABLE", "Rewrite", "done_p", "overlap_all_reduces", "start_p"]
+__all__ = ["OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "done_p", "overlap_all_reduces", "start_p"]

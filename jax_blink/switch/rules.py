@@ -52,6 +52,7 @@ from jax_blink.lowering import processes as _distributed
 from jax_blink.options import config
 from jax_blink.switch import merge as _merge
 from jax_blink.switch import overlap as _overlap
+from jax_blink.switch import sparse as _sparse
 from jax_blink.lowering import async_call as _async
 from jax_blink.lowering import call_order as _call_order
 from jax_blink.lowering.call_order import CHAIN as _chain, chains_on_cpu as _chains_on_cpu
@@ -290,8 +291,7 @@ def _shard_map_rule(name: str, platform: str, replaced):
     def rule(ctx, *args, jaxpr, **params):
         if _jx.lowering_platforms(ctx) == (platform,) and not _jx.lowering_for_export(ctx):
             if config.switch_overlap:
-                rewrite = _overlap.overlap_all_reduces(jaxpr, config.merge_bytes,
-                                                       late_last_wait=config.switch_late_last_wait)
+                rewrite = _overlap_body(jaxpr, _axis_sizes(params.get("mesh")))
                 if rewrite.buckets or rewrite.blocked:  # what explain_lowering says
                     with _lock:
                         _rewrites.append(rewrite.reason)
@@ -302,6 +302,33 @@ def _shard_map_rule(name: str, platform: str, replaced):
 
     rule.__name__ = "jax_blink_shard_map_lowering"
     return rule
+
+
+def _axis_sizes(mesh) -> dict:
+    """A shard_map's mesh axes by name -> size (empty where the parameter holds no mesh)."""
+    try:
+        return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+    except (AttributeError, TypeError, ValueError):
+        return {}
+
+
+def _overlap_body(jaxpr, axis_sizes: dict) -> _overlap.Rewrite:
+    """A shard_map body with its gradient all-reduces started early (:mod:`jax_blink.switch.overlap`),
+    its row-sparse gradients first split off and gathered after the wait where
+    ``config.switch_sparse_gradients`` (:mod:`jax_blink.switch.sparse`; kept only where the
+    overlap then happens: alone, the split moves more bytes)."""
+    late = config.switch_late_last_wait
+    if config.switch_sparse_gradients:
+        split = _sparse.split_row_sparse(jaxpr, axis_sizes, _overlap.OVERLAPPABLE_PRIMITIVES)
+        if split.gradients:
+            rewrite = _overlap.overlap_all_reduces(split.jaxpr, config.merge_bytes, late_last_wait=late)
+            tied = (_sparse.gather_after_wait(rewrite.jaxpr, split.gathered, _overlap.done_p)
+                    if rewrite.buckets else None)
+            if tied is not None:
+                return dataclasses.replace(rewrite, jaxpr=tied, reason=(
+                    f"{rewrite.reason}; {split.gradients} row-sparse gradient(s) (embedding lookups) "
+                    "all-gathered after the wait"))
+    return _overlap.overlap_all_reduces(jaxpr, config.merge_bytes, late_last_wait=late)
 
 
 def _rewritten_primitives() -> list[tuple[str, object]]:

@@ -34,6 +34,7 @@ GOOD = {
     "merge_bytes": [(0, 0), (25 << 20, 25 << 20), (np.int64(4096), 4096)],
     "switch_overlap": [(True, True), (False, False), (np.bool_(False), False)],
     "switch_late_last_wait": [(True, True), (False, False)],
+    "switch_sparse_gradients": [(True, True), (False, False)],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -68,6 +69,7 @@ BAD = [
     ("switch_overlap", 1, TypeError, "True or False"),
     ("switch_overlap", "on", TypeError, "True or False"),
     ("switch_late_last_wait", 0, TypeError, "switch_late_last_wait must be True or False"),
+    ("switch_sparse_gradients", "yes", TypeError, "switch_sparse_gradients must be True or False"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]

@@ -66,13 +66,16 @@ WHILE_PRIMITIVE = _control_flow.while_p
 from jax._src import core as _core  # noqa: E402
 
 CALL_PRIMITIVE = _core.closed_call_p
-# jax._src.ad_util.add_jaxvals_p ("add_any": the sum of two cotangents of one value) and
-# jax._src.lax.lax.optimization_barrier_p: equations the switch writes into a body it rewrites.
+# jax._src.ad_util.add_jaxvals_p ("add_any": the sum of two cotangents of one value),
+# jax._src.lax.lax.optimization_barrier_p and jax._src.lax.slicing.slice_p: equations the switch
+# writes into a body it rewrites.
 from jax._src import ad_util as _ad_util  # noqa: E402
 from jax._src.lax import lax as _lax_impl  # noqa: E402
+from jax._src.lax import slicing as _slicing  # noqa: E402
 
 ADD_ANY = _ad_util.add_jaxvals_p
 OPTIMIZATION_BARRIER = _lax_impl.optimization_barrier_p
+SLICE = _slicing.slice_p  # parameters: start_indices, limit_indices, strides
 COND_PRIMITIVE = _control_flow.cond_p
 FFI_CALL_PRIMITIVE = _ffi.ffi_call_p
 

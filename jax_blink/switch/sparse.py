@@ -14,8 +14,11 @@ what is left at the step's end is the gather.
 
 :func:`split_row_sparse` finds, in a ``shard_map`` body, the all-reduces (``psum`` /
 ``psum_invariant`` of one operand, or of a bucket the program concatenated from reshaped leaves)
-of which a leaf is such a scatter, or a sum with one, and rewrites each into one all-reduce per
-leaf, the gathers and scatters, and the sums and concatenation that give the original result.
+of which a leaf is such a scatter, or a sum with one, and rewrites each into: one all-reduce of
+the other leaves, packed as the program packed them (re-packing them per leaf, the first form
+measured, added starts at the end of the backward pass and ended it later); one of each such
+leaf's dense part; the gathers and scatters; and the slices, sums and concatenation that give the
+original result.
 It is used only together with the overlap (``jax_blink.config.switch_sparse_gradients``): with
 nothing overlapped the dense part would still be summed whole. :func:`gather_after_wait` then
 ties the gathers behind the overlap's wait: a synchronous collective must not run while started
@@ -231,9 +234,10 @@ def _sparse_leaf(eqns, made_by, part: _Part, only_read_once, n: int) -> _Part:
 
 
 def _rewrite(eqns, psum, parts: list[_Part], name: str, axes: tuple, n: int, made_by):
-    """The equations in place of ``psum``: one all-reduce per leaf (of its dense rest), the gathers
-    and scatters of the row-sparse terms, their sums and the concatenation; and the gathers' results."""
-    out, results, gathered = [], [], set()
+    """The equations in place of ``psum``: one all-reduce of the other leaves (packed as before), one
+    of each row-sparse leaf's dense rest, the gathers and scatters of the row-sparse terms, their
+    sums and the concatenation; and the gathers' results."""
+    out, gathered = [], set()
     like = psum
     result_aval = psum.outvars[0].aval  # every new value is as invariant as the all-reduce's result
 
@@ -243,10 +247,29 @@ def _rewrite(eqns, psum, parts: list[_Part], name: str, axes: tuple, n: int, mad
         return var
 
     gather_prim = _jx.PRIMITIVES["all_gather_invariant" if name == "psum_invariant" else "all_gather"]
-    for part in parts:
+    results = [None] * len(parts)
+    # The other leaves stay one all-reduce, as the program packed them (the overlap starts it when
+    # the last of them exists); its result is cut back into the leaves' places.
+    plain = [k for k, part in enumerate(parts) if part.sparse is None]
+    if plain:
+        cat = eqns[made_by[psum.invars[0]]] if len(parts) > 1 else None
+        sizes = [int(np.prod(parts[k].part.aval.shape, dtype=np.int64)) for k in plain]
+        operand = parts[plain[0]].part
+        if len(plain) > 1:
+            operand = emit(cat.primitive, cat.params, [parts[k].part for k in plain],
+                           psum.invars[0].aval.update(shape=(sum(sizes),)), cat.effects)
+        summed = emit(psum.primitive, psum.params, [operand], result_aval.update(shape=operand.aval.shape),
+                      psum.effects)
+        if len(plain) == 1:
+            results[plain[0]] = summed
+        else:
+            at = 0
+            for k, size in zip(plain, sizes):
+                results[k] = emit(_jx.SLICE, {"start_indices": (at,), "limit_indices": (at + size,), "strides": None},
+                                  [summed], result_aval.update(shape=(size,)))
+                at += size
+    for k, part in enumerate(parts):
         if part.sparse is None:
-            results.append(emit(psum.primitive, psum.params, [part.part],
-                                result_aval.update(shape=part.part.aval.shape), psum.effects))
             continue
         dense = None
         if part.dense is not None:
@@ -277,7 +300,7 @@ def _rewrite(eqns, psum, parts: list[_Part], name: str, axes: tuple, n: int, mad
         if dense is not None:
             summed = emit(_jx.ADD_ANY, {}, [dense, summed],
                           result_aval.update(shape=part.part.aval.shape))
-        results.append(summed)
+        results[k] = summed
     if len(parts) == 1:
         last = out[-1]
         out[-1] = last.replace(outvars=[psum.outvars[0]])

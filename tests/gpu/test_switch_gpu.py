@@ -91,3 +91,47 @@ def test_switch_overlaps_a_training_steps_gradients(count, pcast):
         again = compiled(params, x)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_switch_gathers_a_tied_embeddings_gradient(count):
+    """A language model's step (an embedding lookup and the output layer that reuses its table),
+    unedited, under the switch: the table's dense part starts on the side stream with the other
+    buckets, the lookup's tokens and rows are gathered after the waits (two synchronous calls),
+    and the step gives the unswitched step's bits (small integers in float32: exact sums)."""
+    gpus = _gpus()
+    if len(gpus) < count or not jax_blink.backends()["gpu"]:
+        pytest.skip(f"needs {count}+ GPUs and the CUDA executor")
+    mesh = jax.make_mesh((count,), ("x",), devices=gpus[:count])
+    rng = np.random.default_rng(10 + count)
+    vocab, width = 4096, 64
+    params = {"wte": jnp.asarray(rng.integers(-1, 2, (vocab, width)), jnp.float32),
+              "layers": [jnp.asarray(rng.integers(-1, 2, (width, width)), jnp.float32) for _ in range(4)]}
+    tokens = jax.device_put(jnp.asarray(rng.integers(0, vocab, (count, 4, 32)), jnp.int32),
+                            NamedSharding(mesh, P("x")))
+
+    def loss(p, t):
+        h = jnp.take(p["wte"], t, axis=0)
+        for w in p["layers"]:
+            h = h @ w
+        return jnp.sum(h @ p["wte"].T)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+    def step(p, t):
+        grads = jax.grad(lambda q: loss(jax.tree.map(lambda a: lax.pcast(a, "x", to="varying"), q), t[0]))(p)
+        return jax.tree.map(lambda a, g: a - g, p, grads)
+
+    want = step(params, tokens)
+    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10):
+        jax_blink.switch_report(clear=True)
+        compiled = step.lower(params, tokens).compile()
+        got = compiled(params, tokens)
+        report = jax_blink.switch_report()
+    text = compiled.as_text()
+    assert text.count('custom_call_target="jax_blink_start"') >= 2, text[:2000]
+    assert sum(1 for d in report if d.primitive.startswith("all_gather") and d.runs_on == "jax_blink") == 2, report
+    for _ in range(3):  # again: the side stream's FIFO and the communicators are reused
+        got = compiled(params, tokens)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -190,8 +190,8 @@ class Options:
         switch_sparse_gradients: With ``switch_overlap``, an embedding lookup's gradient (a
             scatter-add into zeros) is all-gathered as indices and rows instead of summed dense,
             and a tied embedding's dense part starts early
-            (``JAX_BLINK_SWITCH_SPARSE_GRADIENTS``, default True;
-            :mod:`jax_blink.switch.sparse`).
+            (``JAX_BLINK_SWITCH_SPARSE_GRADIENTS``, default False: on 4 x H200 GPT-2 small's step
+            was level with it on, 0.9% slower on 2; :mod:`jax_blink.switch.sparse`).
 
     Raises:
         TypeError: An assigned value of the wrong type.
@@ -207,7 +207,7 @@ class Options:
     merge_bytes: int = DEFAULT_BUCKET_BYTES  # the switch: most bytes per rank in one merged call; 0: no merging
     switch_overlap: bool = True  # the switch: gradient all-reduces started inside the backward pass
     switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
-    switch_sparse_gradients: bool = True  # the switch: embedding gradients gathered, not summed dense
+    switch_sparse_gradients: bool = False  # the switch: embedding gradients gathered, not summed dense
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
 
     def __setattr__(self, name: str, value) -> None:

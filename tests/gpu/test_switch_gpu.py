@@ -123,7 +123,7 @@ def test_switch_gathers_a_tied_embeddings_gradient(count):
         return jax.tree.map(lambda a, g: a - g, p, grads)
 
     want = step(params, tokens)
-    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10):
+    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10, switch_sparse_gradients=True):
         jax_blink.switch_report(clear=True)
         compiled = step.lower(params, tokens).compile()
         got = compiled(params, tokens)

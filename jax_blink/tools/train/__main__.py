@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes = (["psum", ours] + (overlapped if ours == "blink" else [])
                  + (["switch-late", "switch-sync"] if ours == "switch" else []) + ["none"])
         if ours == "switch" and args.model == "gpt2":  # its tied embedding's gradient is row-sparse
-            modes.insert(modes.index("switch-late"), "switch-dense")
+            modes.insert(modes.index("switch-late"), "switch-sparse")
         times = time_steps(dp, modes, state, args.timing_runs, args.chain)
         med = {m: statistics.median(t) for m, t in times.items()}
         how = (f"runs of {args.chain} steps in a row, each dispatched without waiting for the one before"
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
                   "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",
                   "switch-late": "psum under the switch, late last wait",
-                  "switch-dense": "psum under the switch, switch_sparse_gradients=False",
+                  "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
                   "switch-sync": "psum under the switch, switch_overlap=False",
                   "none": "no all-reduce"}
         width = max(len(labels[m]) for m in modes)

@@ -14,7 +14,7 @@ The collective that sums a bucket is the only thing that changes between the mod
   (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
   pass: :mod:`jax_blink.switch.overlap`); ``switch-late`` the same with
   ``switch_late_last_wait=True`` (the other parameters' update beside the last bucket);
-  ``switch-dense`` with ``switch_sparse_gradients=False`` (an embedding's gradient summed dense:
+  ``switch-sparse`` with ``switch_sparse_gradients=True`` (an embedding's gradient gathered:
   :mod:`jax_blink.switch.sparse`); ``switch-sync`` with ``switch_overlap=False`` (each bucket's call where the program wrote it,
   after the backward pass);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
@@ -45,14 +45,14 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-late", "switch-dense", "switch-sync", "none")
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-late", "switch-sparse", "switch-sync", "none")
 #: The modes lowered under the switch, and the options each sets (``config.switch_overlap``,
 #: ``config.switch_late_last_wait``, ``config.switch_sparse_gradients``).
 SWITCH_OVERLAP = {
-    "switch": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": True},
-    "switch-late": {"switch_overlap": True, "switch_late_last_wait": True, "switch_sparse_gradients": True},
-    "switch-dense": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
-    "switch-sync": {"switch_overlap": False, "switch_late_last_wait": False, "switch_sparse_gradients": True}}
+    "switch": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
+    "switch-late": {"switch_overlap": True, "switch_late_last_wait": True, "switch_sparse_gradients": False},
+    "switch-sparse": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": True},
+    "switch-sync": {"switch_overlap": False, "switch_late_last_wait": False, "switch_sparse_gradients": False}}
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 

@@ -54,14 +54,16 @@ def _loss(exact: bool, tied: bool = True):
     return loss
 
 
-def _step(loss, bucketed: bool):
+def _step(loss, bucketed: bool, check_vma: bool = True):
     """Gradients summed as users write it: one psum per leaf, or (``bucketed``) one psum of the
-    leaves concatenated (the train tool's buckets), after the backward pass."""
+    leaves concatenated (the train tool's buckets), after the backward pass; without
+    ``check_vma`` the psums are plain ``psum`` (else ``psum_invariant``) and the gathers plain
+    ``all_gather``."""
 
     @jax.jit
-    @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P(), check_vma=True)
+    @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P(), check_vma=check_vma)
     def step(p, tokens):
-        mine = jax.tree.map(lambda v: lax.pcast(v, "data", to="varying"), p)
+        mine = jax.tree.map(lambda v: lax.pcast(v, "data", to="varying"), p) if check_vma else p
         grads = jax.grad(loss)(mine, tokens[0])
         if bucketed:
             leaves, tree = jax.tree.flatten(grads)
@@ -83,20 +85,21 @@ def _tokens(rng):
                           NamedSharding(_mesh(), P("data")))
 
 
-@pytest.mark.parametrize("bucketed", [False, True])
-def test_exact_step_equals_the_unswitched_step_bitwise(bucketed):
+@pytest.mark.parametrize("bucketed,check_vma", [(False, True), (True, True), (True, False)])
+def test_exact_step_equals_the_unswitched_step_bitwise(bucketed, check_vma):
     """Small integers: every sum exact in float32, so gathering and scattering the lookup's rows
     must give the dense psum's bits, and the report says the gradient was gathered."""
     rng = np.random.default_rng(21)
     params, tokens = _params(rng, exact=True), _tokens(rng)
     with override(switch_sparse_gradients=True, merge_bytes=4096):
-        plain, switched, calls, report = _run(_step(_loss(True), bucketed), params, tokens)
+        plain, switched, calls, report = _run(_step(_loss(True), bucketed, check_vma), params, tokens)
     for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     gathers = [d for d in report if d.primitive.startswith("all_gather")]
     assert len(gathers) == 2, report  # the tokens and the rows
+    assert {d.primitive for d in gathers} == {"all_gather_invariant" if check_vma else "all_gather"}, report
     with override(switch_sparse_gradients=True, dispatch="blink", merge_bytes=4096):
-        text = jax_blink.explain_lowering(_step(_loss(True), bucketed), params, tokens)
+        text = jax_blink.explain_lowering(_step(_loss(True), bucketed, check_vma), params, tokens)
     assert re.search(r"^overlap: .*; 1 row-sparse gradient\(s\) \(embedding lookups\) all-gathered after the wait$",
                      text, re.M), text
 

@@ -3,6 +3,7 @@ by total time, Python frames left out; bad arguments are one-line usage errors."
 from __future__ import annotations
 
 import glob
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,20 @@ def test_host_events_read_a_trace(tmp_path):
         assert count >= 1 and 0 <= longest <= total + 1e-9
 
 
-@pytest.mark.parametrize("args", [["--bytes", "4Q"], ["--bytes", "2"], ["--k", "0"]])
+@pytest.mark.parametrize("args", [["--bytes", "4Q"], ["--bytes", "2"], ["--k", "0"], ["--warmup", "0"]])
 def test_bad_arguments_are_usage_errors(args):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "trace_calls.py"), *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert args[0] in r.stderr
+
+
+def test_runs_on_cpu_and_says_there_are_no_gpu_kernels():
+    """On CPU host devices (no GPU kernels to trace) the tool runs its warm-ups and traced runs and
+    says what it found instead of a table."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "trace_calls.py"), "--bytes", "4K", "--k", "2",
+                        "--warmup", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "## jax_blink.all_reduce: no device events matching" in r.stdout, r.stdout
+    assert "## lax.psum: no device events matching" in r.stdout, r.stdout

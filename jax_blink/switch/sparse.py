@@ -48,10 +48,9 @@ MIN_SAVING = 2
 
 @dataclasses.dataclass(frozen=True)
 class _Scatter:
-    """A scatter-add into zeros: the equation that makes it (``at``), its indices and updates (as
-    the body names them), and the equations to build its copy on gathered operands."""
+    """A scatter-add into zeros: its indices and updates (as the body names them), and the
+    equations to build its copy on gathered operands."""
 
-    at: int
     indices: object
     updates: object
     zeros: object    # the broadcast_in_dim equation of the zeros
@@ -106,7 +105,7 @@ def _scatter_into_zeros(eqns, made_by, i) -> _Scatter | None:
             zeros = eqns[zeros_at] if zeros_at is not None else None
         if zeros is None or not _is_zeros(zeros) or not _gatherable(eqn):
             return None
-        return _Scatter(i, eqn.invars[1], eqn.invars[2], zeros, eqn)
+        return _Scatter(eqn.invars[1], eqn.invars[2], zeros, eqn)
     inner = _jx.inlined_call_jaxpr(eqn)
     if inner is None:
         return None
@@ -126,7 +125,7 @@ def _scatter_into_zeros(eqns, made_by, i) -> _Scatter | None:
     idx, upd = scatter.invars[1], scatter.invars[2]
     if idx not in outer or upd not in outer:
         return None
-    return _Scatter(i, outer[idx], outer[upd], zeros, scatter)
+    return _Scatter(outer[idx], outer[upd], zeros, scatter)
 
 
 @dataclasses.dataclass

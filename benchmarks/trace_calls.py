@@ -1,7 +1,7 @@
 """Where the time of chained collectives goes: kernel start, duration and gaps per GPU, from JAX's
 profiler (CUPTI), for our all-reduce and for ``lax.psum`` on the same data.
 
-    python benchmarks/trace_calls.py [--bytes 4M] [--k 20] [--warmup 1]
+    python benchmarks/trace_calls.py [--bytes 4M] [--k 20] [--warmup 2]
 
 Prints, per GPU and call, the kernel's start (relative to the first kernel of the program on any
 GPU), its duration and the idle gap before it on its stream; then the medians. A gap is host launch
@@ -72,8 +72,8 @@ def host_events(path: str, top: int = 12) -> list[tuple[str, int, float, float]]
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
-def report(label: str, fn, x, pattern: tuple[str, ...], k: int, warmup: int = 1) -> None:
-    for _ in range(warmup):  # the first compiles; XLA may record its command buffers again later
+def report(label: str, fn, x, pattern: tuple[str, ...], k: int, warmup: int = 2) -> None:
+    for _ in range(warmup):  # the first compiles and runs op by op; XLA records its graphs on the second
         fn(x).block_until_ready()
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
@@ -102,9 +102,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Where the time of chained all-reduces goes, per GPU (CUPTI).")
     ap.add_argument("--bytes", type=byte_count, default="4M", help="bytes per rank, float32 (default 4M; at least 4)")
     ap.add_argument("--k", type=whole_number(1), default=20, help="chained calls per program (default 20)")
-    ap.add_argument("--warmup", type=whole_number(1), default=1,
-                    help="untraced runs before the traced one (default 1; in session 14 the run after one "
-                         "warm-up re-recorded our command buffers, which the bench's timed runs do not)")
+    ap.add_argument("--warmup", type=whole_number(1), default=2,
+                    help="untraced runs before the traced one (default 2: XLA runs a command buffer's first "
+                         "execution op by op and records the graph on the second, which a trace after one "
+                         "warm-up measures; the bench's timed runs come after two)")
     a = ap.parse_args()
     if a.bytes < 4:
         ap.error(f"--bytes: got {a.bytes}; takes at least 4 (one float32 per rank)")

@@ -180,7 +180,7 @@ PY
           --dispatch "${TRAIN_DISPATCH:-blink}" --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" \
           $([ "$1" = resnet ] && echo "${TRAIN_RESNET_ARGS:-}") > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -14
-        for m in psum none blink overlap switch switch-sparse switch-late switch-sync; do
+        for m in psum none blink overlap switch switch-auto switch-sparse switch-late switch-sync; do
           t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
           [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
         done

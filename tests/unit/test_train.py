@@ -167,19 +167,22 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
         assert label in out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
-    assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-sparse", "switch-late", "switch-sync", "none"}
+    assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-auto", "switch-sparse", "switch-late", "switch-sync",
+                                               "none"}
     assert record["timing"]["chain"] == 2 and "runs of 2 steps in a row" in out
     # Overlapped, each bucket's psum is a start of its own; without the overlap the buckets' adjacent
     # psums merge into calls of at most the step's bucket cap (here each bucket is most of the cap).
     timing = record["timing"]["modes"]
     assert timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1, timing
     assert timing["switch-late"]["jax_blink_calls"] == len(record["buckets"]), timing
+    # Under the default dispatch the CPU host devices' entry keeps these small buckets on the executor.
+    assert timing["switch-auto"]["jax_blink_calls"] == len(record["buckets"]), timing
     # With the embedding's gradient gathered: the table's dense part leaves its bucket (a start of
     # its own) and the tokens and rows are gathered (two calls).
     assert timing["switch-sparse"]["jax_blink_calls"] == timing["switch"]["jax_blink_calls"] + 3, timing
     assert 1 <= timing["switch-sync"]["jax_blink_calls"] <= len(record["buckets"]), timing
     assert "psum under the switch (overlapped)" in out and "switch_overlap=False" in out
-    assert "switch_sparse_gradients=True" in out
+    assert "switch_sparse_gradients=True" in out and "psum under the switch, dispatch=auto" in out
     assert list(tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.txt"))
     assert record["environment"].get("JAX_BLINK_ASYNC_ENGINE") == "ce"
     assert "environment: " in out and "JAX_BLINK_ASYNC_ENGINE=ce" in out
@@ -247,8 +250,9 @@ def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, m
                    "--quick-compile", "--profile", str(tmp_path / "prof"), "--no-write"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert traced == ["psum", "switch", "switch-sparse", "switch-late", "switch-sync", "none"]
-    assert "psum 0.250 ms, switch 0.250 ms, switch-sparse 0.250 ms, switch-late 0.250 ms, switch-sync 0.250 ms" in out, out
+    assert traced == ["psum", "switch", "switch-auto", "switch-sparse", "switch-late", "switch-sync", "none"]
+    assert ("psum 0.250 ms, switch 0.250 ms, switch-auto 0.250 ms, switch-sparse 0.250 ms, switch-late 0.250 ms, "
+            "switch-sync 0.250 ms") in out, out
     # A 1 us GPU span against a CPU step of milliseconds: host-bound, and the note says so.
     assert "note: host-bound: the step without all-reduce spans 0.001 ms on the GPUs" in out, out
 
@@ -299,3 +303,16 @@ def test_cli_on_one_device_has_no_collective_share_and_says_where_it_wrote(tmp_p
     (record,) = [json.loads(p.read_text()) for p in folder.glob("train-gpt2-tiny-blink-cpu-x1-*.json")]
     assert record["timing"]["modes"]["blink"]["collective_share"] is None
     assert not (tmp_path / "benchmarks").exists()
+
+
+def test_switch_auto_is_traced_under_the_default_dispatch():
+    """``switch-auto`` is the switch as a user gets it (``dispatch="auto"``) whatever the tool's
+    ``--dispatch``; the other switch modes take the tool's."""
+    import jax_blink
+    from jax_blink.tools.train.step import lowering_context
+    seen, before = {}, jax_blink.config.dispatch
+    for mode in ("switch", "switch-auto", "switch-sparse"):
+        with lowering_context(mode, "blink"):
+            seen[mode] = (jax_blink.config.dispatch, jax_blink.config.switch_sparse_gradients)
+    assert seen == {"switch": ("blink", False), "switch-auto": ("auto", False), "switch-sparse": ("blink", True)}
+    assert jax_blink.config.dispatch == before  # restored

@@ -311,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
         modes = (["psum", ours] + (overlapped if ours == "blink" else [])
                  + (["switch-late", "switch-sync"] if ours == "switch" else []) + ["none"])
+        if ours == "switch" and args.dispatch != "auto":  # beside it, what the default dispatch runs
+            modes.insert(modes.index("switch") + 1, "switch-auto")
         if ours == "switch" and args.model == "gpt2":  # its tied embedding's gradient is row-sparse
             modes.insert(modes.index("switch-late"), "switch-sparse")
         times = time_steps(dp, modes, state, args.timing_runs, args.chain)
@@ -326,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",
                   "switch-late": "psum under the switch, late last wait",
                   "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
+                  "switch-auto": "psum under the switch, dispatch=auto",
                   "switch-sync": "psum under the switch, switch_overlap=False",
                   "none": "no all-reduce"}
         width = max(len(labels[m]) for m in modes)

@@ -14,7 +14,9 @@ The collective that sums a bucket is the only thing that changes between the mod
   (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
   pass: :mod:`jax_blink.switch.overlap`); ``switch-late`` the same with
   ``switch_late_last_wait=True`` (the other parameters' update beside the last bucket);
-  ``switch-sparse`` with ``switch_sparse_gradients=True`` (an embedding's gradient gathered:
+  ``switch-auto`` the same under ``dispatch="auto"`` (the dispatch table may give buckets to
+  psum: what a user gets without setting anything); ``switch-sparse`` with
+  ``switch_sparse_gradients=True`` (an embedding's gradient gathered:
   :mod:`jax_blink.switch.sparse`); ``switch-sync`` with ``switch_overlap=False`` (each bucket's call where the program wrote it,
   after the backward pass);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
@@ -45,14 +47,19 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-late", "switch-sparse", "switch-sync", "none")
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
+         "switch-sync", "none")
 #: The modes lowered under the switch, and the options each sets (``config.switch_overlap``,
 #: ``config.switch_late_last_wait``, ``config.switch_sparse_gradients``).
 SWITCH_OVERLAP = {
     "switch": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
+    "switch-auto": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
     "switch-late": {"switch_overlap": True, "switch_late_last_wait": True, "switch_sparse_gradients": False},
     "switch-sparse": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": True},
     "switch-sync": {"switch_overlap": False, "switch_late_last_wait": False, "switch_sparse_gradients": False}}
+#: Modes traced under the library's default dispatch whatever the tool's ``--dispatch`` (what a user
+#: of the switch gets without setting anything).
+DEFAULT_DISPATCH_MODES = {"switch-auto"}
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 
@@ -99,13 +106,14 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
 def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | None = None):
     """What must be in force while a mode's step is traced and lowered: the dispatch option for
     jax_blink's calls (``blink`` runs the executor even where ``auto`` would pick psum: on CPU host
-    devices it picks psum at 4 and 8 ranks), and the switch for ``switch`` (overlapping),
-    ``switch-late`` (overlapping, the last bucket's wait late) and ``switch-sync`` (not), whose
-    buckets (``merge_bytes``) take ``bucket_bytes`` where given (the step's own DDP cap)."""
+    devices it picks psum at 4 and 8 ranks; ``switch-auto`` always takes ``auto``), and the switch
+    for ``switch`` (overlapping), ``switch-late`` (overlapping, the last bucket's wait late) and
+    ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
+    step's own DDP cap)."""
     if mode in ("psum", "none"):
         yield
         return
-    with override(dispatch=dispatch):
+    with override(dispatch="auto" if mode in DEFAULT_DISPATCH_MODES else dispatch):
         if mode in SWITCH_OVERLAP:
             if not switch_available():
                 raise RuntimeError("--collective switch needs jax_blink.installed() (the switch of "

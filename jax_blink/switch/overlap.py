@@ -53,9 +53,8 @@ from jax_blink.switch import merge as _merge
 
 #: The all-reduces the rewrite may start early, by the switch's name for them.
 OVERLAPPABLE = {name: _jx.PRIMITIVES[name] for name in ("psum", "psum_invariant")}
-_NAME_OF = {prim: name for name, prim in OVERLAPPABLE.items()}
 #: The same, by primitive.
-OVERLAPPABLE_PRIMITIVES = dict(_NAME_OF)
+OVERLAPPABLE_PRIMITIVES = {prim: name for name, prim in OVERLAPPABLE.items()}
 
 #: ``start(*operands, *held, bucket=, name=, params=, count=, last=)`` -> ``(result, passed,
 #: *held)``: one bucket's all-reduce of ``count`` operands (flat, concatenated) started, and the
@@ -103,7 +102,7 @@ class Rewrite:
 
 def _key(eqn):
     """(name, parameters) of an all-reduce that may start early; None for any other equation."""
-    name = _NAME_OF.get(eqn.primitive)
+    name = OVERLAPPABLE_PRIMITIVES.get(eqn.primitive)
     if name is None or len(eqn.invars) != 1 or not _jx.is_var(eqn.invars[0]):
         return None
     if _merge.operand_bytes(eqn.invars[0].aval) is None:  # symbolic dimensions: left to XLA

@@ -41,6 +41,7 @@ import dataclasses
 import numpy as np
 
 from jax_blink.lowering import jax_internals as _jx
+from jax_blink.switch import merge as _merge
 
 #: How many times smaller than the dense table the gathered indices and rows must be.
 MIN_SAVING = 2
@@ -70,10 +71,6 @@ class Split:
     jaxpr: object
     gradients: int
     gathered: frozenset
-
-
-def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _is_zeros(eqn) -> bool:
@@ -214,22 +211,22 @@ def _sparse_leaf(eqns, made_by, part: _Part, only_read_once, n: int) -> _Part:
     at = made_by.get(leaf)
     if at is None or not only_read_once(leaf):
         return part
-    dense = None
-    term_at = at
+    dense, term_at, term = None, at, None
     if eqns[at].primitive.name == "add_any":
         for k, other in ((0, 1), (1, 0)):
             v = eqns[at].invars[k]
-            if _jx.is_var(v) and v in made_by and only_read_once(v) and _scatter_into_zeros(eqns, made_by, made_by[v]):
-                term_at, dense = made_by[v], eqns[at].invars[other]
-                chain.append(at)
-                break
-        else:
-            return part
-    term = _scatter_into_zeros(eqns, made_by, term_at)
+            if _jx.is_var(v) and v in made_by and only_read_once(v):
+                term = _scatter_into_zeros(eqns, made_by, made_by[v])
+                if term is not None:
+                    term_at, dense = made_by[v], eqns[at].invars[other]
+                    chain.append(at)
+                    break
+    else:
+        term = _scatter_into_zeros(eqns, made_by, at)
     if term is None:
         return part
-    table = term.scatter.outvars[0].aval
-    if n * (_nbytes(term.indices.aval) + _nbytes(term.updates.aval)) * MIN_SAVING > _nbytes(table):
+    sizes = [_merge.operand_bytes(v.aval) for v in (term.indices, term.updates, term.scatter.outvars[0])]
+    if None in sizes or n * (sizes[0] + sizes[1]) * MIN_SAVING > sizes[2]:  # symbolic, or too many rows
         return part
     return _Part(part.part, reshape, term, dense, (*chain, term_at))
 
@@ -252,8 +249,8 @@ def _rewrite(eqns, psum, parts: list[_Part], name: str, axes: tuple, n: int, mad
     # The other leaves stay one all-reduce, as the program packed them (the overlap starts it when
     # the last of them exists); its result is cut back into the leaves' places.
     plain = [k for k, part in enumerate(parts) if part.sparse is None]
+    cat = eqns[made_by[psum.invars[0]]] if len(parts) > 1 else None  # the program's concatenation
     if plain:
-        cat = eqns[made_by[psum.invars[0]]] if len(parts) > 1 else None
         sizes = [int(np.prod(parts[k].part.aval.shape, dtype=np.int64)) for k in plain]
         operand = parts[plain[0]].part
         if len(plain) > 1:
@@ -306,7 +303,6 @@ def _rewrite(eqns, psum, parts: list[_Part], name: str, axes: tuple, n: int, mad
         last = out[-1]
         out[-1] = last.replace(outvars=[psum.outvars[0]])
     else:
-        cat = eqns[made_by[psum.invars[0]]]
         out.append(_jx.new_eqn(results, [psum.outvars[0]], cat.primitive, cat.params, set(cat.effects), like))
     return out, gathered
 

@@ -46,6 +46,17 @@ def test_switch_on_gpus(name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _switched(step, *args, **options):
+    """``step`` compiled under the switch (the executor forced, buckets of at most 32 KiB, and
+    ``options``), its result on ``args`` and the switch's report."""
+    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10, **options):
+        jax_blink.switch_report(clear=True)
+        compiled = step.lower(*args).compile()
+        got = compiled(*args)
+        report = jax_blink.switch_report()
+    return compiled, got, report
+
+
 @pytest.mark.parametrize("count", [2, 3, 4])
 @pytest.mark.parametrize("pcast", [False, True])
 def test_switch_overlaps_a_training_steps_gradients(count, pcast):
@@ -77,11 +88,7 @@ def test_switch_overlaps_a_training_steps_gradients(count, pcast):
         return jax.tree.map(lambda p, g: p - g, ps, grads)
 
     want = step(params, x)
-    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10):
-        jax_blink.switch_report(clear=True)
-        compiled = step.lower(params, x).compile()
-        got = compiled(params, x)
-        report = jax_blink.switch_report()
+    compiled, got, report = _switched(step, params, x)
     text = compiled.as_text()
     assert text.count('custom_call_target="jax_blink_start"') >= 2, text[:2000]
     assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
@@ -123,11 +130,7 @@ def test_switch_gathers_a_tied_embeddings_gradient(count):
         return jax.tree.map(lambda a, g: a - g, p, grads)
 
     want = step(params, tokens)
-    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10, switch_sparse_gradients=True):
-        jax_blink.switch_report(clear=True)
-        compiled = step.lower(params, tokens).compile()
-        got = compiled(params, tokens)
-        report = jax_blink.switch_report()
+    compiled, got, report = _switched(step, params, tokens, switch_sparse_gradients=True)
     text = compiled.as_text()
     assert text.count('custom_call_target="jax_blink_start"') >= 2, text[:2000]
     assert sum(1 for d in report if d.primitive.startswith("all_gather") and d.runs_on == "jax_blink") == 2, report

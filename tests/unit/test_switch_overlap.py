@@ -131,13 +131,19 @@ def test_overlapped_step_against_numpy_on_random_floats():
     step = _step(loss, pcast=True)
     with override(merge_bytes=4096):
         plain, switched, _, report = _run(step, params, _sharded(host_x))
-    per_device = [jax.grad(loss)(params, host_x[i]) for i in range(N)]
-    want = jax.tree.map(lambda p, *gs: np.asarray(p, np.float64) - 0.1 * np.sum(
-        [np.asarray(g, np.float64) for g in gs], axis=0), params, *per_device)
+    want = sgd_in_float64(loss, params, host_x, 0.1)
     for w, g, u in zip(jax.tree.leaves(want), jax.tree.leaves(switched), jax.tree.leaves(plain)):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-6)
     assert any(d.overlapped for d in report)
+
+
+def sgd_in_float64(loss, params, per_device_data, lr: float):
+    """numpy's float64 reference for one SGD step on gradients summed over devices: ``params`` less
+    ``lr`` times the sum of ``jax.grad(loss)`` on each device's data (``per_device_data[i]``)."""
+    per_device = [jax.grad(loss)(params, per_device_data[i]) for i in range(len(per_device_data))]
+    return jax.tree.map(lambda p, *gs: np.asarray(p, np.float64) - lr * np.sum(
+        [np.asarray(g, np.float64) for g in gs], axis=0), params, *per_device)
 
 
 def _body(step, *args):

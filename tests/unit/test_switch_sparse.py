@@ -22,7 +22,7 @@ from jax_blink.switch import overlap, sparse
 # tests/ is on sys.path (pytest's prepend import mode): the switch tests' runner and clean-up
 from test_async import overlap_lines
 from test_switch_merge import _run, _switch_off_after_each_test  # noqa: F401 (an autouse fixture)
-from test_switch_overlap import _body
+from test_switch_overlap import _body, sgd_in_float64
 
 DEVICES = jax.devices()
 N = len(DEVICES)
@@ -114,9 +114,7 @@ def test_random_step_against_numpy():
     with override(switch_sparse_gradients=True, merge_bytes=4096):
         plain, switched, _, report = _run(_step(loss, True), params, jax.device_put(
             jnp.asarray(host_tokens), NamedSharding(_mesh(), P("data"))))
-    per_device = [jax.grad(loss)(params, host_tokens[i]) for i in range(N)]
-    want = jax.tree.map(lambda p, *gs: np.asarray(p, np.float64) - 0.01 * np.sum(
-        [np.asarray(g, np.float64) for g in gs], axis=0), params, *per_device)
+    want = sgd_in_float64(loss, params, host_tokens, 0.01)
     for w, g, u in zip(jax.tree.leaves(want), jax.tree.leaves(switched), jax.tree.leaves(plain)):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(g), np.asarray(u), rtol=1e-5, atol=1e-6)

@@ -49,17 +49,12 @@ from jax_blink.tools.train.models import MODELS, build, optimizer
 
 MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
          "switch-sync", "none")
-#: The modes lowered under the switch, and the options each sets (``config.switch_overlap``,
-#: ``config.switch_late_last_wait``, ``config.switch_sparse_gradients``).
-SWITCH_OVERLAP = {
-    "switch": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
-    "switch-auto": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False},
-    "switch-late": {"switch_overlap": True, "switch_late_last_wait": True, "switch_sparse_gradients": False},
-    "switch-sparse": {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": True},
-    "switch-sync": {"switch_overlap": False, "switch_late_last_wait": False, "switch_sparse_gradients": False}}
-#: Modes traced under the library's default dispatch whatever the tool's ``--dispatch`` (what a user
-#: of the switch gets without setting anything).
-DEFAULT_DISPATCH_MODES = {"switch-auto"}
+#: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
+SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False}
+#: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:
+#: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
+SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
+                  "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False}}
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 
@@ -113,14 +108,15 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
     if mode in ("psum", "none"):
         yield
         return
-    with override(dispatch="auto" if mode in DEFAULT_DISPATCH_MODES else dispatch):
+    with override(dispatch=SWITCH_OVERLAP.get(mode, {}).get("dispatch", dispatch)):
         if mode in SWITCH_OVERLAP:
             if not switch_available():
                 raise RuntimeError("--collective switch needs jax_blink.installed() (the switch of "
                                    "issue 15), which this jax_blink does not have")
             import jax_blink
             caps = {} if bucket_bytes is None else {"merge_bytes": bucket_bytes}
-            with jax_blink.installed(), override(**SWITCH_OVERLAP[mode], **caps):
+            options = {**SWITCH_DEFAULTS, **{k: v for k, v in SWITCH_OVERLAP[mode].items() if k != "dispatch"}}
+            with jax_blink.installed(), override(**options, **caps):
                 yield
         else:
             yield

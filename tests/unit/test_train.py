@@ -2,6 +2,7 @@
 host devices: psum, explicit jax_blink calls and the switch train tiny models to the same losses
 and parameters."""
 import json
+import os
 import re
 
 import jax
@@ -205,6 +206,10 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     (["--model", "gpt2", "--stream", "1"], "--stream"),  # CPU host devices: no streams
     (["--model", "gpt2", "--hold", "some"], "--hold"),
     (["--model", "gpt2", "--collective", "switch", "--hold", "all"], "--hold"),
+    (["--model", "gpt2", "--modes", "switch,nccl"], "--modes"),
+    (["--model", "gpt2", "--modes", ","], "--modes"),
+    (["--model", "gpt2", "--collective", "blink", "--modes", "switch-ce"], "--modes"),
+    (["--model", "resnet", "--collective", "switch", "--modes", "switch-sparse"], "--modes"),
 ])
 def test_cli_bad_flags_are_usage_errors(argv, flag, capsys):
     assert cli.main(argv) == 2
@@ -220,7 +225,7 @@ def test_time_steps_chains_each_run_from_the_same_state():
     class Steps:
         batches = ["batch"]
 
-        def compiled(self, mode):
+        def callable(self, mode):
             def step(state, batch):
                 assert batch == "batch"
                 seen[mode].append(state)
@@ -232,6 +237,62 @@ def test_time_steps_chains_each_run_from_the_same_state():
     assert all(t > 0 for ts in times.values() for t in ts)
     for m in ("a", "b"):  # compile, warm-up and 3 runs, 4 steps each from state 10
         assert seen[m] == [10, 11, 12, 13] * 5, seen[m]
+
+
+def test_timed_modes_default_and_asked():
+    """Each collective's modes in the order they take turns; --modes keeps those named with psum
+    and none (the ratios and the exposed time need them), and only it adds the site variants."""
+    assert cli.timed_modes("blink", "blink", "gpt2") == ["psum", "blink", "overlap", "none"]
+    assert cli.timed_modes("overlap", "blink", "gpt2", "both") == ["psum", "blink", "overlap", "overlap-all", "none"]
+    assert cli.timed_modes("switch", "blink", "resnet") == ["psum", "switch", "switch-auto", "switch-late",
+                                                             "switch-sync", "none"]
+    assert cli.timed_modes("switch", "auto", "gpt2") == ["psum", "switch", "switch-sparse", "switch-late",
+                                                          "switch-sync", "none"]
+    assert cli.timed_modes("switch", "blink", "resnet", asked=["switch-8blocks", "switch", "switch-ce"]) == [
+        "psum", "switch", "switch-ce", "switch-8blocks", "none"]
+    with pytest.raises(cli.UsageError, match="does not time switch-auto"):
+        cli.timed_modes("switch", "auto", "gpt2", asked=["switch-auto"])
+
+
+def test_site_environment_holds_for_the_first_call_only(monkeypatch):
+    """A mode of SITE_ENVIRONMENT runs its first call (to its end) under its variables, later calls
+    and other modes under the process's own; the environment is put back."""
+    from jax_blink.tools.train.step import DataParallel
+    monkeypatch.setenv("JAX_BLINK_ASYNC_BLOCKS", "24")
+    monkeypatch.delenv("JAX_BLINK_ASYNC_ENGINE", raising=False)
+    seen = []
+
+    class Stub:
+        _sites_set_up: set = set()
+
+        def compiled(self, mode):
+            return lambda x: seen.append((mode, os.environ.get("JAX_BLINK_ASYNC_ENGINE"),
+                                          os.environ.get("JAX_BLINK_ASYNC_BLOCKS"))) or np.float32(x)
+
+    stub = Stub()
+    stub._sites_set_up = set()
+    for mode in ("switch-ce", "switch-8blocks", "switch"):
+        fn = DataParallel.callable(stub, mode)
+        fn(1.0), fn(2.0)
+        DataParallel.callable(stub, mode)(3.0)
+    assert seen == [("switch-ce", "ce", "24")] + [("switch-ce", None, "24")] * 2 + \
+        [("switch-8blocks", None, "8")] + [("switch-8blocks", None, "24")] * 2 + [("switch", None, "24")] * 3
+    assert os.environ.get("JAX_BLINK_ASYNC_ENGINE") is None and os.environ["JAX_BLINK_ASYNC_BLOCKS"] == "24"
+
+
+def test_cli_times_the_switchs_site_variants(tmp_path, capsys):
+    """--modes switch,switch-ce,switch-8blocks: psum, those three and none, each site variant
+    lowered as the switch (a start per bucket) and labelled with its variables."""
+    rc = cli.main(["--model", "resnet", "--collective", "switch", "--steps", "1", "--timing-runs", "1",
+                   "--chain", "1", "--bucket-mb", "0.05", "--first-bucket-mb", "0.01", "--quick-compile",
+                   "--modes", "switch-8blocks,switch,switch-ce", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-resnet-tiny-switch-cpu-x8-*.json")]
+    timing = record["timing"]["modes"]
+    assert list(timing) == ["psum", "switch", "switch-ce", "switch-8blocks", "none"]
+    assert timing["switch-ce"]["jax_blink_calls"] == timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1
+    assert "JAX_BLINK_ASYNC_ENGINE=ce (its sites)" in out and "JAX_BLINK_ASYNC_BLOCKS=8 (its sites)" in out
 
 
 def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, monkeypatch):

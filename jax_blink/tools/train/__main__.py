@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
+from jax_blink.tools.train.modes import MODES, OVERLAP_HOLD, SITE_ENVIRONMENT
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -75,6 +76,36 @@ def _positive_float(flag: str):
             raise argparse.ArgumentTypeError(f"{flag} must be a finite number > 0, got {text}")
         return v
     return parse
+
+
+def _mode_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in MODES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--modes takes a comma-separated list of modes ({', '.join(MODES)}), "
+                                         f"got {text!r}")
+    return names
+
+
+def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent",
+                asked: Sequence[str] | None = None) -> list[str]:
+    """The modes a run times, in the order they take turns: psum, ours (and the overlapped modes
+    that ``hold`` names; for the switch, its variants), then none; ``asked`` keeps only those named
+    (with psum and none) and adds the switch's site variants it names. UsageError for a mode the
+    collective does not time."""
+    ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
+    if ours == "blink":
+        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), "none"]
+    else:
+        modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
+            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT, "none"]
+    if asked is None:
+        return [m for m in modes if m not in SITE_ENVIRONMENT]
+    wrong = [m for m in asked if m not in modes]
+    if wrong:
+        raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
+                         f"(it times {', '.join(modes)})")
+    return [m for m in modes if m in asked or m in ("psum", "none")]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -124,6 +155,11 @@ def parser() -> argparse.ArgumentParser:
                    help="experimental, GPU: run each bucket's jax_blink all-reduce as an asynchronous call "
                         "on XLA stream N (jax's compute_on gpu_stream:N), so that it may overlap compute "
                         "(docs/overlap.md)")
+    p.add_argument("--modes", type=_mode_list, default=None, metavar="LIST",
+                   help="comma-separated modes to time, of those --collective times (psum and none are "
+                        "always timed: the ratios and the exposed time need them); with --collective switch "
+                        "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
+                        "8 blocks, on GPUs); default: every mode of --collective")
     p.add_argument("--quick-compile", action="store_true",
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
@@ -147,6 +183,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.hold != "recent" and args.collective == "switch":
         raise UsageError(f"--hold {args.hold} shapes the overlapped step, which --collective switch does not time "
                          "(use --collective blink, psum or overlap)")
+    if args.modes is not None:
+        timed_modes(args.collective, args.dispatch, args.model, args.hold, args.modes)  # UsageError if wrong
     if args.timing_runs < 0:
         raise UsageError(f"--timing-runs must be >= 0, got {args.timing_runs}")
     if args.first_bucket_mb > args.bucket_mb:
@@ -192,7 +230,7 @@ def time_steps(dp, modes: Sequence[str], state, runs: int, chain: int = 1) -> di
             s, loss = c(s, batch)
         return Ready((s, loss))
 
-    fns = [lambda s, c=dp.compiled(m): steps(s, c) for m in modes]
+    fns = [lambda s, c=dp.callable(m): steps(s, c) for m in modes]
     return {m: [t / chain for t in ts] for m, ts in zip(modes, interleaved_times(fns, state, runs))}
 
 
@@ -205,7 +243,7 @@ def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
     batch = dp.batches[0]
     found = {}
     for m in modes:
-        step = dp.compiled(m)
+        step = dp.callable(m)
         jax.block_until_ready(step(state, batch))
         where = folder / m
         with jax.profiler.trace(str(where)):
@@ -231,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     flags_note = _ensure_host_devices(args.host_devices)
     try:
-        from jax_blink.tools.train.step import OVERLAP_HOLD, DataParallel, switch_available
+        from jax_blink.tools.train.step import DataParallel, switch_available
     except ImportError as e:  # flax / optax missing
         print(f"{PROG}: {e}; install the train extra: pip install -e \".[train]\"", file=sys.stderr)
         return 2
@@ -308,13 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timing_runs:
         # psum, the mode asked for, no all-reduce; jax_blink's synchronous and overlapped steps side
         # by side when either of them is asked for.
-        ours = {"psum": "blink", "overlap": "blink"}.get(args.collective, args.collective)
-        modes = (["psum", ours] + (overlapped if ours == "blink" else [])
-                 + (["switch-late", "switch-sync"] if ours == "switch" else []) + ["none"])
-        if ours == "switch" and args.dispatch != "auto":  # beside it, what the default dispatch runs
-            modes.insert(modes.index("switch") + 1, "switch-auto")
-        if ours == "switch" and args.model == "gpt2":  # its tied embedding's gradient is row-sparse
-            modes.insert(modes.index("switch-late"), "switch-sparse")
+        modes = timed_modes(args.collective, args.dispatch, args.model, args.hold, args.modes)
         times = time_steps(dp, modes, state, args.timing_runs, args.chain)
         med = {m: statistics.median(t) for m, t in times.items()}
         how = (f"runs of {args.chain} steps in a row, each dispatched without waiting for the one before"
@@ -330,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
                   "switch-auto": "psum under the switch, dispatch=auto",
                   "switch-sync": "psum under the switch, switch_overlap=False",
+                  **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
+                     for m, env in SITE_ENVIRONMENT.items()},
                   "none": "no all-reduce"}
         width = max(len(labels[m]) for m in modes)
         for m in modes:

@@ -18,7 +18,8 @@ The collective that sums a bucket is the only thing that changes between the mod
   psum: what a user gets without setting anything); ``switch-sparse`` with
   ``switch_sparse_gradients=True`` (an embedding's gradient gathered:
   :mod:`jax_blink.switch.sparse`); ``switch-sync`` with ``switch_overlap=False`` (each bucket's call where the program wrote it,
-  after the backward pass);
+  after the backward pass); ``switch-ce`` and ``switch-8blocks`` lowered as ``switch``, their call
+  sites set up under another engine or grid of the CUDA executor's (:data:`SITE_ENVIRONMENT`);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
   all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
 
@@ -28,6 +29,7 @@ every device keeps the same model (DDP instead broadcasts rank 0's buffers).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable
 
@@ -47,16 +49,8 @@ from jax_blink.options.settings import override
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
-         "switch-sync", "none")
-#: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
-SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False}
-#: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:
-#: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
-SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
-                  "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False}}
-#: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
-OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
+from jax_blink.tools.train.modes import (MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_DEFAULTS,  # noqa: F401
+                                          SWITCH_OVERLAP)
 
 
 def build_loss(model: str):
@@ -122,6 +116,21 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
             yield
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class DataParallel:
     """A model, its optimizer, synthetic data, and the step of each mode over ``mesh[axis]``."""
 
@@ -161,6 +170,7 @@ class DataParallel:
             {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
             first_bucket_bytes, order=self._gradient_order())
         self._compiled: dict[str, object] = {}
+        self._sites_set_up: set[str] = set()  # modes of SITE_ENVIRONMENT that have run once
 
     def _gradient_order(self) -> list[int]:
         """The leaves of ``{"grads", "stats"}`` in the order one device's step computes them
@@ -231,9 +241,28 @@ class DataParallel:
                     compiler_options=self.compiler_options)
         return self._compiled[mode]
 
+    def callable(self, mode: str) -> Callable:
+        """The compiled step of ``mode``; for a mode of :data:`SITE_ENVIRONMENT`, its first call
+        runs under that mode's variables, to its end (the executor sets its sites up as the
+        program runs), and puts the environment back."""
+        step = self.compiled(mode)
+        env = SITE_ENVIRONMENT.get(mode)
+        if not env or mode in self._sites_set_up:
+            return step
+
+        def first_call(*args):
+            if mode in self._sites_set_up:
+                return step(*args)
+            with _environment(env):
+                out = jax.block_until_ready(step(*args))
+            self._sites_set_up.add(mode)
+            return out
+
+        return first_call
+
     def run(self, mode: str, steps: int, on_step: Callable[[int, float], None] | None = None):
         """``steps`` steps from the initial state: (final state, mean loss of each step)."""
-        step = self.compiled(mode)
+        step = self.callable(mode)
         state, losses = self.state0, []
         for i in range(steps):
             state, per_device = step(state, self.batches[i % len(self.batches)])

@@ -1,0 +1,20 @@
+"""The train tool's modes by name, and what each one sets: data only, so that the command line
+is checked before flax and optax are imported (:mod:`jax_blink.tools.train.step` builds them)."""
+from __future__ import annotations
+
+MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
+         "switch-sync", "switch-ce", "switch-8blocks", "none")
+#: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
+SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False}
+#: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:
+#: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
+SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
+                  "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
+                  "switch-ce": {}, "switch-8blocks": {}}
+#: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
+#: the overlapped all-reduce's engine and grid once per call site, at its first start
+#: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
+#: change nothing.
+SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8blocks": {"JAX_BLINK_ASYNC_BLOCKS": "8"}}
+#: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}

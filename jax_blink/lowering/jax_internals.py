@@ -301,6 +301,22 @@ def is_var(atom) -> bool:
     return isinstance(atom, _core.Var)
 
 
+def producers(eqns) -> dict:
+    """Each variable that ``eqns`` (a jaxpr's equations) make -> the index of the equation that makes it."""
+    return {v: i for i, e in enumerate(eqns) for v in e.outvars}
+
+
+def readers(eqns) -> dict:
+    """Each variable that ``eqns`` read -> the indices of the equations that read it, in order
+    (an equation that reads it twice is listed twice)."""
+    found: dict = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if is_var(v):
+                found.setdefault(v, []).append(i)
+    return found
+
+
 def compute_on_call():
     """jax's function form of compute_on (``fn(f, compute_type=..., out_memory_spaces=...)``: ``f``
     lowered as a call annotated with the compute type, e.g. "gpu_stream:1"), or None if this jax

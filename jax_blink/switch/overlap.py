@@ -130,12 +130,8 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
     wait for the last bucket only after everything that does not read it (:func:`_late_wait`)."""
     eqns = list(jaxpr.eqns)
     n = len(eqns)
-    made_by = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    readers: dict = collections.defaultdict(list)
-    for i, e in enumerate(eqns):
-        for v in e.invars:
-            if _jx.is_var(v):
-                readers[v].append(i)
+    made_by = _jx.producers(eqns)
+    readers = collections.defaultdict(list, _jx.readers(eqns))
     returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
 
     candidates = {i for i, e in enumerate(eqns) if _key(e) is not None}

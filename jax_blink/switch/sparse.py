@@ -142,18 +142,12 @@ def split_row_sparse(jaxpr, axis_sizes: dict, all_reduces: dict) -> Split:
     switch's name: ``psum``, ``psum_invariant``) whose operand holds a row-sparse leaf rewritten
     as the module says; ``axis_sizes``: the mesh's axis sizes by name."""
     eqns = list(jaxpr.eqns)
-    made_by = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    reads: dict = {}
-    for e in eqns:
-        for v in e.invars:
-            if _jx.is_var(v):
-                reads[v] = reads.get(v, 0) + 1
-    for v in jaxpr.outvars:
-        if _jx.is_var(v):
-            reads[v] = reads.get(v, 0) + 1
+    made_by = _jx.producers(eqns)
+    readers = _jx.readers(eqns)
+    returned = [v for v in jaxpr.outvars if _jx.is_var(v)]
 
-    def only_read_once(v) -> bool:
-        return reads.get(v, 0) == 1
+    def only_read_once(v) -> bool:  # by one equation, or returned once and read by none
+        return len(readers.get(v, ())) + returned.count(v) == 1
 
     replaced: dict[int, list] = {}
     removed: set[int] = set()

@@ -27,8 +27,10 @@ from pathlib import Path
 #: which no XLA collective of these programs issues.
 OUR_KERNELS = re.compile(r"\b(?:collective|ll|oneshot|one_shot|twoshot|two_shot|one_rank|reduce_terms)_kernel\b"
                          r"|^MemcpyP2P")
-#: Events on a GPU that are not compute: copies and sets.
-NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)")
+#: XLA's collectives on GPUs: NCCL's kernels.
+XLA_COLLECTIVES = re.compile(r"nccl", re.IGNORECASE)
+#: Events on a GPU that are not compute: copies, sets and NCCL's kernels (XLA's collectives).
+NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)|nccl", re.IGNORECASE)
 
 
 def load(path) -> dict:
@@ -98,9 +100,11 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
 
     Returns:
         ``{"devices": {name: {"ours_us", "compute_us", "beside_us", "overlap", "our_kernels"}},
-        "ours_us", "beside_us", "overlap", "span_us"}``; ``overlap`` is None where no kernel of ours
-        ran; ``span_us`` is the GPUs' time for what the trace holds: from the first event of any GPU
-        to the last one's end (0 where no process is named as a GPU: a CPU run's trace).
+        "ours_us", "beside_us", "overlap", "span_us", "compute_us_per_gpu"}``; ``overlap`` is None
+        where no kernel of ours ran; ``span_us`` is the GPUs' time for what the trace holds: from
+        the first event of any GPU to the last one's end (0 where no process is named as a GPU: a
+        CPU run's trace); ``compute_us_per_gpu``: the other kernels' busy time (their union), the
+        mean over every GPU with a kernel, whether ours ran there or not (0.0 where none).
     """
     names = process_names(trace)
     named_gpus = any("/device:GPU" in n for n in names.values())
@@ -129,6 +133,8 @@ def summarize(trace: dict, ours=OUR_KERNELS) -> dict:
     out["ours_us"], out["beside_us"] = total_ours, total_beside
     out["overlap"] = total_beside / total_ours if total_ours else None
     out["span_us"] = last - first if last > first else 0.0
+    busy = [length(union(d["compute"])) for d in per.values() if d["compute"] or d["ours"]]
+    out["compute_us_per_gpu"] = sum(busy) / len(busy) if busy else 0.0
     return out
 
 
@@ -159,14 +165,14 @@ def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(gpus)))
     row_of = {pid: row for row, pid in enumerate(gpus)}
     for pid, name, (a, b), _ in spans:
-        mine = bool(ours.search(name))
-        if not mine and NOT_COMPUTE.search(name):
+        mine, xlas = bool(ours.search(name)), bool(XLA_COLLECTIVES.search(name))
+        if not mine and not xlas and NOT_COMPUTE.search(name):
             continue
-        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3)],
-                       (row_of[pid] + (0.45 if mine else 0.0), 0.4), color="tab:red" if mine else "0.6")
+        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3)], (row_of[pid] + (0.45 if mine or xlas else 0.0), 0.4),
+                       color="tab:red" if mine else "tab:blue" if xlas else "0.6")
     ax.set_yticks([r + 0.4 for r in range(len(gpus))], [names.get(p, str(p)) for p in gpus])
     ax.set_xlabel("ms since the first kernel (measured, jax.profiler)")
-    ax.set_title(title or "GPU kernels: compute (grey), jax_blink (red)")
+    ax.set_title(title or "GPU kernels: compute (grey), jax_blink (red), NCCL (blue)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -17,7 +17,8 @@ def _trace(rng, gpus: int = 2):
         for _ in range(40):
             ts, dur = int(rng.integers(0, 2000)), int(rng.integers(1, 120))
             name = rng.choice(["void jax_blink::cuda::collective_kernel<float, 0>(Params)", "ll_kernel",
-                               "fusion_12", "cutlass_80_gemm", "MemcpyD2D", "loop_add_fusion"])
+                               "fusion_12", "cutlass_80_gemm", "MemcpyD2D", "loop_add_fusion",
+                               "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"])
             events.append({"ph": "X", "pid": pid, "tid": int(rng.integers(0, 3)), "ts": ts, "dur": dur,
                            "name": str(name)})
     return {"traceEvents": events}
@@ -31,9 +32,9 @@ def _brute(trace, pid):
         sl = slice(e["ts"], e["ts"] + e["dur"])
         if trace_overlap.OUR_KERNELS.search(e["name"]):
             ours[sl] = True
-        elif not e["name"].startswith("Memcpy"):
+        elif not e["name"].startswith(("Memcpy", "nccl")):
             comp[sl] = True
-    return ours.sum(), (ours & comp).sum()
+    return ours.sum(), (ours & comp).sum(), comp.sum()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -44,14 +45,17 @@ def test_overlap_matches_brute_force(seed, tmp_path):
     path.write_bytes(gzip.compress(json.dumps(trace).encode()))
     s = trace_overlap.summarize(trace_overlap.load(path))
     assert set(s["devices"]) == {"/device:GPU:0", "/device:GPU:1"}  # the host process is left out
-    tot_ours = tot_beside = 0
+    tot_ours = tot_beside = tot_compute = 0
     for g in range(2):
-        ours, beside = _brute(trace, 100 + g)
+        ours, beside, compute = _brute(trace, 100 + g)
+        tot_compute += compute
         d = s["devices"][f"/device:GPU:{g}"]
         assert d["ours_us"] == pytest.approx(ours) and d["beside_us"] == pytest.approx(beside)
         tot_ours, tot_beside = tot_ours + ours, tot_beside + beside
     assert s["overlap"] == pytest.approx(tot_beside / tot_ours)
     assert 0.0 < s["overlap"] < 1.0
+    # Compute: neither ours, nor copies, nor NCCL's kernels; the mean over the two GPUs.
+    assert s["compute_us_per_gpu"] == pytest.approx(tot_compute / 2)
     assert "overlap" in trace_overlap.describe(s)
 
 

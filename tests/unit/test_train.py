@@ -169,7 +169,7 @@ def test_cli_trains_and_writes_results(tmp_path, capsys, monkeypatch):
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-switch-cpu-x8-*.json")]
     assert record["losses"] == pytest.approx([float(s[3]) for s in steps], rel=1e-5)
     assert set(record["timing"]["modes"]) == {"psum", "switch", "switch-auto", "switch-sparse", "switch-late", "switch-sync",
-                                               "none"}
+                                               "none", "none-barrier"}
     assert record["timing"]["chain"] == 2 and "runs of 2 steps in a row" in out
     # Overlapped, each bucket's psum is a start of its own; without the overlap the buckets' adjacent
     # psums merge into calls of at most the step's bucket cap (here each bucket is most of the cap).
@@ -242,14 +242,15 @@ def test_time_steps_chains_each_run_from_the_same_state():
 def test_timed_modes_default_and_asked():
     """Each collective's modes in the order they take turns; --modes keeps those named with psum
     and none (the ratios and the exposed time need them), and only it adds the site variants."""
-    assert cli.timed_modes("blink", "blink", "gpt2") == ["psum", "blink", "overlap", "none"]
-    assert cli.timed_modes("overlap", "blink", "gpt2", "both") == ["psum", "blink", "overlap", "overlap-all", "none"]
+    assert cli.timed_modes("blink", "blink", "gpt2") == ["psum", "blink", "overlap", "none", "none-barrier"]
+    assert cli.timed_modes("overlap", "blink", "gpt2", "both") == ["psum", "blink", "overlap", "overlap-all", "none",
+                                                                   "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet") == ["psum", "switch", "switch-auto", "switch-late",
-                                                             "switch-sync", "none"]
+                                                             "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "auto", "gpt2") == ["psum", "switch", "switch-sparse", "switch-late",
-                                                          "switch-sync", "none"]
+                                                          "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet", asked=["switch-8blocks", "switch", "switch-ce"]) == [
-        "psum", "switch", "switch-ce", "switch-8blocks", "none"]
+        "psum", "switch", "switch-ce", "switch-8blocks", "none", "none-barrier"]
     with pytest.raises(cli.UsageError, match="does not time switch-auto"):
         cli.timed_modes("switch", "auto", "gpt2", asked=["switch-auto"])
 
@@ -290,7 +291,7 @@ def test_cli_times_the_switchs_site_variants(tmp_path, capsys):
     assert rc == 0, out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-resnet-tiny-switch-cpu-x8-*.json")]
     timing = record["timing"]["modes"]
-    assert list(timing) == ["psum", "switch", "switch-ce", "switch-8blocks", "none"]
+    assert list(timing) == ["psum", "switch", "switch-ce", "switch-8blocks", "none", "none-barrier"]
     assert timing["switch-ce"]["jax_blink_calls"] == timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1
     assert "JAX_BLINK_ASYNC_ENGINE=ce (its sites)" in out and "JAX_BLINK_ASYNC_BLOCKS=8 (its sites)" in out
 
@@ -303,7 +304,8 @@ def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, m
 
     def fake_profile(dp, modes, state, folder, say):
         traced.extend(modes)
-        return {m: {"span_us": 1.0 + 250.0 * (m != "none"), "overlap": None} for m in modes}
+        return {m: {"span_us": 1.0 + 250.0 * (m != "none"), "overlap": None,
+                    "compute_us_per_gpu": 1000.0 + 500.0 * (m == "psum")} for m in modes}
 
     monkeypatch.setattr(cli, "profile_modes", fake_profile)
     rc = cli.main(["--model", "gpt2", "--collective", "switch", "--steps", "1", "--layers", "1", "--width", "16",
@@ -311,9 +313,11 @@ def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, m
                    "--quick-compile", "--profile", str(tmp_path / "prof"), "--no-write"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert traced == ["psum", "switch", "switch-auto", "switch-sparse", "switch-late", "switch-sync", "none"]
+    assert traced == ["psum", "switch", "switch-auto", "switch-sparse", "switch-late", "switch-sync", "none",
+                      "none-barrier"]
     assert ("psum 0.250 ms, switch 0.250 ms, switch-auto 0.250 ms, switch-sparse 0.250 ms, switch-late 0.250 ms, "
-            "switch-sync 0.250 ms") in out, out
+            "switch-sync 0.250 ms, none-barrier 0.250 ms") in out, out
+    assert "compute kernels busy per GPU (measured, one profiled step" in out and "psum 1.500 ms, switch 1.000 ms" in out
     # A 1 us GPU span against a CPU step of milliseconds: host-bound, and the note says so.
     assert "note: host-bound: the step without all-reduce spans 0.001 ms on the GPUs" in out, out
 
@@ -329,7 +333,7 @@ def test_cli_times_both_holds_of_the_overlapped_step(tmp_path, capsys):
     assert "jax_blink overlapped (hold recent)" in out and "jax_blink overlapped (hold all)" in out, out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-gpt2-tiny-overlap-cpu-x8-*.json")]
     assert record["hold"] == "both"
-    assert list(record["timing"]["modes"]) == ["psum", "blink", "overlap", "overlap-all", "none"]
+    assert list(record["timing"]["modes"]) == ["psum", "blink", "overlap", "overlap-all", "none", "none-barrier"]
     for m in ("overlap", "overlap-all"):
         assert record["timing"]["modes"][m]["jax_blink_calls"] == len(record["buckets"]) > 1
 

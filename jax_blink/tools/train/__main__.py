@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
-from jax_blink.tools.train.modes import MODES, OVERLAP_HOLD, SITE_ENVIRONMENT
+from jax_blink.tools.train.modes import BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -90,22 +90,22 @@ def _mode_list(text: str) -> list[str]:
 def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent",
                 asked: Sequence[str] | None = None) -> list[str]:
     """The modes a run times, in the order they take turns: psum, ours (and the overlapped modes
-    that ``hold`` names; for the switch, its variants), then none; ``asked`` keeps only those named
-    (with psum and none) and adds the switch's site variants it names. UsageError for a mode the
-    collective does not time."""
+    that ``hold`` names; for the switch, its variants), then the baselines (``none``,
+    ``none-barrier``); ``asked`` keeps only those named (with psum and the baselines) and adds
+    the switch's site variants it names. UsageError for a mode the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), "none"]
+        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
-            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT, "none"]
+            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT, *BASELINES]
     if asked is None:
         return [m for m in modes if m not in SITE_ENVIRONMENT]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
                          f"(it times {', '.join(modes)})")
-    return [m for m in modes if m in asked or m in ("psum", "none")]
+    return [m for m in modes if m in asked or m == "psum" or m in BASELINES]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,8 +156,8 @@ def parser() -> argparse.ArgumentParser:
                         "on XLA stream N (jax's compute_on gpu_stream:N), so that it may overlap compute "
                         "(docs/overlap.md)")
     p.add_argument("--modes", type=_mode_list, default=None, metavar="LIST",
-                   help="comma-separated modes to time, of those --collective times (psum and none are "
-                        "always timed: the ratios and the exposed time need them); with --collective switch "
+                   help="comma-separated modes to time, of those --collective times (psum, none and "
+                        "none-barrier are always timed: the ratios and the exposed time need them); with --collective switch "
                         "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
                         "8 blocks, on GPUs); default: every mode of --collective")
     p.add_argument("--quick-compile", action="store_true",
@@ -352,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         how = (f"runs of {args.chain} steps in a row, each dispatched without waiting for the one before"
                if args.chain > 1 else "runs of one step, the host's dispatch included")
         say(f"time per step, median of {args.timing_runs} {how}, the modes taking turns ({n} x {kind}; "
-            "collective share = (t - t(no all-reduce)) / t, the same step with the all-reduce taken out):")
+            "collective share = (t - t(no all-reduce)) / t, the same step with the all-reduce taken out; "
+            "beyond the barrier baseline = t - t(no all-reduce, buckets behind a barrier)):")
         record["timing"] = {"runs": args.timing_runs, "chain": args.chain,
                             "method": "step with the all-reduce removed", "modes": {}}
         labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
@@ -364,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "switch-sync": "psum under the switch, switch_overlap=False",
                   **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
                      for m, env in SITE_ENVIRONMENT.items()},
-                  "none": "no all-reduce"}
+                  "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
         width = max(len(labels[m]) for m in modes)
         for m in modes:
             share = (med[m] - med["none"]) / med[m]
@@ -372,17 +373,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = labels[m]
             if m == "none":
                 tail = ""
+            elif m == "none-barrier":
+                tail, share = (f"  {(med[m] - med['none']) * 1e3:+.3f} ms over no all-reduce (measured: what stopping "
+                               "XLA's fusions at each bucket costs, with no communication)"), None
             elif n == 1 or counted["all-reduce"] + counted["jax_blink"] == 0:
                 # One device: every all-reduce sums one value and moves nothing; a "share" would be
                 # the noise between runs of programs that do the same work.
                 tail, share = "  no collective in this program (one device: nothing to sum across)", None
             else:
                 tail = (f"  collectives {share:6.1%} (exposed communication, measured: "
-                        f"{(med[m] - med['none']) * 1e3:.3f} ms)")
+                        f"{(med[m] - med['none']) * 1e3:.3f} ms; beyond the barrier baseline "
+                        f"{(med[m] - med['none-barrier']) * 1e3:.3f} ms)")
             say(f"  {label:>{width}}: {med[m] * 1e3:9.3f} ms{tail}  [{counted['all-reduce']} XLA all-reduce(s), "
                 f"{counted['jax_blink']} jax_blink call(s) in the program]")
             record["timing"]["modes"][m] = {"median_s": med[m], "times_s": times[m], "collective_share": share,
                                             "exposed_s": med[m] - med["none"],
+                                            "beyond_barrier_s": med[m] - med["none-barrier"],
                                             "xla_all_reduces": counted["all-reduce"],
                                             "jax_blink_calls": counted["jax_blink"]}
     if args.profile and args.timing_runs:
@@ -392,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             say("  GPU span of one profiled step less the step without the all-reduce's (measured, "
                 "one step each): " + ", ".join(f"{m} {(spans[m] - spans['none']) / 1e3:.3f} ms"
                                                 for m in spans if m != "none"))
+        busy = {m: p["compute_us_per_gpu"] for m, p in record["profile"].items() if p.get("compute_us_per_gpu")}
+        if busy:  # what runs longer beside the collective: the same kernels slowed, or other fusions
+            say("  compute kernels busy per GPU (measured, one profiled step, mean over the GPUs; jax_blink's and "
+                "NCCL's kernels not counted): " + ", ".join(f"{m} {us / 1e3:.3f} ms" for m, us in busy.items()))
         if "none" in spans and "timing" in record and spans["none"] / 1e6 < 0.8 * med["none"]:
             # The GPUs wait for the host's launches: the timed steps then measure the host, not the
             # all-reduce, and no collective can hide anything.

@@ -3,7 +3,12 @@ is checked before flax and optax are imported (:mod:`jax_blink.tools.train.step`
 from __future__ import annotations
 
 MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
-         "switch-sync", "switch-ce", "switch-8blocks", "none")
+         "switch-sync", "switch-ce", "switch-8blocks", "none", "none-barrier")
+#: The two steps every run times beside psum: without the all-reduce (``none``: XLA then fuses the
+#: gradients' producers with the update), and without it but with each bucket behind an
+#: optimization barrier (``none-barrier``: the fusions stop at the bucket as at a collective), so
+#: that what the collective itself costs is told apart from what its boundary does to the fusions.
+BASELINES = ("none", "none-barrier")
 #: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
 SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False}
 #: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:

@@ -22,6 +22,9 @@ The collective that sums a bucket is the only thing that changes between the mod
   sites set up under another engine or grid of the CUDA executor's (:data:`SITE_ENVIRONMENT`);
 - ``none``: no collective (each device keeps its own gradients): the same step with the
   all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
+  ``none-barrier`` the same with each bucket passed through an ``optimization_barrier``, which XLA
+  fuses around as it does around a collective: what the collective's boundary costs the fusions
+  is then told apart from the communication (XLA:CPU drops the barrier).
 
 BatchNorm's running statistics travel in the same buckets as the gradients and are averaged, so
 every device keeps the same model (DDP instead broadcasts rank 0's buffers).
@@ -86,6 +89,8 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
         return lambda buf: all_reduce(buf, axis)
     if mode == "none":
         return lambda buf: buf
+    if mode == "none-barrier":  # an identity XLA cannot fuse through, as it cannot through a collective
+        return lambda buf: lax.optimization_barrier(buf)
     if mode in OVERLAP_HOLD:  # step_fn sums the buckets itself (start / done pairs)
         return lambda buf: all_reduce(buf, axis)
     raise ValueError(f"unknown collective mode {mode!r}; one of {MODES}")
@@ -99,7 +104,7 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
     for ``switch`` (overlapping), ``switch-late`` (overlapping, the last bucket's wait late) and
     ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
     step's own DDP cap)."""
-    if mode in ("psum", "none"):
+    if mode in ("psum", "none", "none-barrier"):
         yield
         return
     with override(dispatch=SWITCH_OVERLAP.get(mode, {}).get("dispatch", dispatch)):
@@ -200,7 +205,7 @@ class DataParallel:
         graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
                                                   self.axis, self.n)
         # `none` leaves each device's parameters its own: shard_map may not check replication.
-        check = mode != "none"
+        check = mode not in ("none", "none-barrier")
 
         def local_step(state, batch):
             params = state["params"]

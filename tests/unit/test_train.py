@@ -121,8 +121,9 @@ def test_psum_blink_and_switch_train_alike(model):
                       first_bucket_bytes=4 << 10, compiler_options=FAST)
     assert len(dp.layout.buckets) >= 3
     steps = 3
-    # `none` (the step without its all-reduce) on one model only: each mode is a compile (CI time).
-    modes = ("psum", "blink", "switch") + (("none",) if model == "gpt2" else ())
+    # `none` (the step without its all-reduce) on one model, the tree's psum under the switch on the
+    # other: each mode is a compile (CI time).
+    modes = ("psum", "blink", "switch") + (("none",) if model == "gpt2" else ("switch-tree",))
     states, losses = {}, {}
     for mode in modes:
         states[mode], losses[mode] = dp.run(mode, steps)
@@ -136,7 +137,9 @@ def test_psum_blink_and_switch_train_alike(model):
     # buckets take the step's cap): one jax_blink call per bucket, as the explicit calls.
     assert count["switch"] == {"all-reduce": 0, "jax_blink": len(dp.layout.buckets)}, count["switch"]
 
-    for mode in ("blink", "switch"):
+    if "switch-tree" in modes:  # a psum per leaf, merged by the switch into calls of at most the cap
+        assert count["switch-tree"]["all-reduce"] == 0 and count["switch-tree"]["jax_blink"] >= 2, count
+    for mode in ("blink", "switch") + (("switch-tree",) if "switch-tree" in modes else ()):
         np.testing.assert_allclose(losses[mode], losses["psum"], rtol=2e-5, err_msg=mode)
         for path, a, b in zip(jax.tree_util.tree_flatten_with_path(states[mode])[0],
                               jax.tree.leaves(states[mode]), jax.tree.leaves(states["psum"])):
@@ -251,6 +254,12 @@ def test_timed_modes_default_and_asked():
                                                           "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet", asked=["switch-8blocks", "switch", "switch-ce"]) == [
         "psum", "switch", "switch-ce", "switch-8blocks", "none", "none-barrier"]
+    assert cli.timed_modes("switch", "blink", "gpt2", asked=["switch-tree", "psum-tree"]) == [
+        "psum", "psum-tree", "switch-tree", "none", "none-barrier"]
+    assert cli.timed_modes("blink", "blink", "gpt2", asked=["psum-tree"]) == ["psum", "psum-tree", "none",
+                                                                             "none-barrier"]
+    with pytest.raises(cli.UsageError, match="does not time switch-tree"):
+        cli.timed_modes("blink", "blink", "gpt2", asked=["switch-tree"])
     with pytest.raises(cli.UsageError, match="does not time switch-auto"):
         cli.timed_modes("switch", "auto", "gpt2", asked=["switch-auto"])
 
@@ -282,16 +291,18 @@ def test_site_environment_holds_for_the_first_call_only(monkeypatch):
 
 
 def test_cli_times_the_switchs_site_variants(tmp_path, capsys):
-    """--modes switch,switch-ce,switch-8blocks: psum, those three and none, each site variant
-    lowered as the switch (a start per bucket) and labelled with its variables."""
+    """--modes switch,switch-ce,switch-8blocks,psum-tree: psum, those and the baselines, each site
+    variant lowered as the switch (a start per bucket) and labelled with its variables."""
     rc = cli.main(["--model", "resnet", "--collective", "switch", "--steps", "1", "--timing-runs", "1",
                    "--chain", "1", "--bucket-mb", "0.05", "--first-bucket-mb", "0.01", "--quick-compile",
-                   "--modes", "switch-8blocks,switch,switch-ce", "--out", str(tmp_path)])
+                   "--modes", "switch-8blocks,switch,psum-tree,switch-ce", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-resnet-tiny-switch-cpu-x8-*.json")]
     timing = record["timing"]["modes"]
-    assert list(timing) == ["psum", "switch", "switch-ce", "switch-8blocks", "none", "none-barrier"]
+    assert list(timing) == ["psum", "switch", "switch-ce", "switch-8blocks", "psum-tree", "none", "none-barrier"]
+    assert timing["psum-tree"]["xla_all_reduces"] >= 1 and timing["psum-tree"]["jax_blink_calls"] == 0
+    assert "psum of the gradient tree (no buckets)" in out
     assert timing["switch-ce"]["jax_blink_calls"] == timing["switch"]["jax_blink_calls"] == len(record["buckets"]) > 1
     assert "JAX_BLINK_ASYNC_ENGINE=ce (its sites)" in out and "JAX_BLINK_ASYNC_BLOCKS=8 (its sites)" in out
 

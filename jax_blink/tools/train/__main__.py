@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
-from jax_blink.tools.train.modes import BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT
+from jax_blink.tools.train.modes import BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, TREE_MODES
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -92,15 +92,18 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     """The modes a run times, in the order they take turns: psum, ours (and the overlapped modes
     that ``hold`` names; for the switch, its variants), then the baselines (``none``,
     ``none-barrier``); ``asked`` keeps only those named (with psum and the baselines) and adds
-    the switch's site variants it names. UsageError for a mode the collective does not time."""
+    the variants it names (the switch's site variants, the tree's psum). UsageError for a mode
+    the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), *BASELINES]
+        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), "psum-tree",
+                 *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
-            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT, *BASELINES]
-    if asked is None:
-        return [m for m in modes if m not in SITE_ENVIRONMENT]
+            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
+                                                             *TREE_MODES, *BASELINES]
+    if asked is None:  # the variants are timed when asked for
+        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
@@ -159,7 +162,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated modes to time, of those --collective times (psum, none and "
                         "none-barrier are always timed: the ratios and the exposed time need them); with --collective switch "
                         "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
-                        "8 blocks, on GPUs); default: every mode of --collective")
+                        "8 blocks, on GPUs) and switch-tree; with any, psum-tree (the gradients summed by one "
+                        "lax.psum of the tree, no buckets, as a user writes it); default: every mode of "
+                        "--collective but these variants")
     p.add_argument("--quick-compile", action="store_true",
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
@@ -365,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "switch-sync": "psum under the switch, switch_overlap=False",
                   **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
                      for m, env in SITE_ENVIRONMENT.items()},
+                  "psum-tree": "psum of the gradient tree (no buckets)",
+                  "switch-tree": "psum of the tree under the switch",
                   "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
         width = max(len(labels[m]) for m in modes)
         for m in modes:

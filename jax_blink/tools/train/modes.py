@@ -3,7 +3,7 @@ is checked before flax and optax are imported (:mod:`jax_blink.tools.train.step`
 from __future__ import annotations
 
 MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
-         "switch-sync", "switch-ce", "switch-8blocks", "none", "none-barrier")
+         "switch-sync", "switch-ce", "switch-8blocks", "psum-tree", "switch-tree", "none", "none-barrier")
 #: The two steps every run times beside psum: without the all-reduce (``none``: XLA then fuses the
 #: gradients' producers with the update), and without it but with each bucket behind an
 #: optimization barrier (``none-barrier``: the fusions stop at the bucket as at a collective), so
@@ -15,11 +15,16 @@ SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "swit
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
-                  "switch-ce": {}, "switch-8blocks": {}}
+                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}}
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
 #: change nothing.
 SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8blocks": {"JAX_BLINK_ASYNC_BLOCKS": "8"}}
+#: Modes whose step sums the gradients as one ``lax.psum`` of the whole tree (a psum per leaf, as
+#: a user writes it; XLA combines them into variadic all-reduces), not the DDP buckets' flat buffers;
+#: ``switch-tree`` is that step under the switch (which merges the leaves' psums into calls of at
+#: most the bucket cap itself).
+TREE_MODES = ("psum-tree", "switch-tree")
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}

@@ -20,6 +20,8 @@ The collective that sums a bucket is the only thing that changes between the mod
   :mod:`jax_blink.switch.sparse`); ``switch-sync`` with ``switch_overlap=False`` (each bucket's call where the program wrote it,
   after the backward pass); ``switch-ce`` and ``switch-8blocks`` lowered as ``switch``, their call
   sites set up under another engine or grid of the CUDA executor's (:data:`SITE_ENVIRONMENT`);
+  ``psum-tree`` sums the gradients as one ``lax.psum`` of the tree (no buckets: XLA combines the
+  leaves' all-reduces itself), ``switch-tree`` is that step under the switch;
 - ``none``: no collective (each device keeps its own gradients): the same step with the
   all-reduce taken out, to time what the collectives cost. Its parameters are wrong by design.
   ``none-barrier`` the same with each bucket passed through an ``optimization_barrier``, which XLA
@@ -53,7 +55,7 @@ from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
 from jax_blink.tools.train.modes import (MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_DEFAULTS,  # noqa: F401
-                                          SWITCH_OVERLAP)
+                                          SWITCH_OVERLAP, TREE_MODES)
 
 
 def build_loss(model: str):
@@ -74,7 +76,7 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
     so that it may overlap the computation around it; XLA:CPU ignores the annotation (docs/overlap.md)."""
     if stream is not None and mode != "blink":
         raise ValueError(f"stream= applies to the blink mode only, not {mode!r}")
-    if mode == "psum" or mode in SWITCH_OVERLAP:
+    if mode in ("psum", "psum-tree") or mode in SWITCH_OVERLAP:
         return lambda buf: lax.psum(buf, axis)
     if mode == "blink" and stream is not None:
         compute_on = _jax_internals.compute_on_call()
@@ -104,7 +106,7 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
     for ``switch`` (overlapping), ``switch-late`` (overlapping, the last bucket's wait late) and
     ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
     step's own DDP cap)."""
-    if mode in ("psum", "none", "none-barrier"):
+    if mode in ("psum", "psum-tree", "none", "none-barrier"):
         yield
         return
     with override(dispatch=SWITCH_OVERLAP.get(mode, {}).get("dispatch", dispatch)):
@@ -225,6 +227,9 @@ class DataParallel:
                     loss_of, axis, has_aux=True, reduce_aux=True, bucket_bytes=layout.bucket_bytes,
                     first_bucket_bytes=layout.first_bucket_bytes, hold=OVERLAP_HOLD[mode])(mine)
                 summed = {"grads": grads, "stats": stats}
+            elif mode in TREE_MODES:  # one psum of the tree, as a user writes it: no buckets of ours
+                (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
+                summed = lax.psum({"grads": grads, "stats": stats}, axis)
             else:
                 (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
                 # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.

@@ -360,7 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "collective share = (t - t(no all-reduce)) / t, the same step with the all-reduce taken out; "
             "beyond the barrier baseline = t - t(no all-reduce, buckets behind a barrier)):")
         record["timing"] = {"runs": args.timing_runs, "chain": args.chain,
-                            "method": "step with the all-reduce removed", "modes": {}}
+                            "method": "step with the all-reduce removed (none); the same with each bucket behind an "
+                                      "optimization barrier (none-barrier)", "modes": {}}
         labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
                   "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
                   "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",

@@ -20,10 +20,8 @@ reduce_scatter) or the result (all_gather: the operand is nbytes / n), as nccl-t
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -32,25 +30,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_blink
+from jax_blink.tools.scoped_env import environment  # noqa: F401  (its callers use cc.environment)
 
 AXIS = "x"
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str] | None):
-    """``env`` set in ``os.environ`` inside the block, the earlier values (or their absence) back
-    after it; None or {} sets nothing."""
-    env = env or {}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")

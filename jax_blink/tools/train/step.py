@@ -34,7 +34,6 @@ every device keeps the same model (DDP instead broadcasts rank 0's buffers).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from collections.abc import Callable
 
@@ -51,6 +50,7 @@ from jax_blink.api import buckets as _buckets
 from jax_blink.api.collectives import all_reduce
 from jax_blink.api.overlapped_grad import value_and_grad_overlapped
 from jax_blink.options.settings import override
+from jax_blink.tools.scoped_env import environment
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
@@ -121,21 +121,6 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
                 yield
         else:
             yield
-
-
-@contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    """``env`` set in ``os.environ`` for the block, the previous values put back after it."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class DataParallel:
@@ -263,7 +248,7 @@ class DataParallel:
         def first_call(*args):
             if mode in self._sites_set_up:
                 return step(*args)
-            with _environment(env):
+            with environment(env):
                 out = jax.block_until_ready(step(*args))
             self._sites_set_up.add(mode)
             return out

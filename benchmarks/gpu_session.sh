@@ -31,7 +31,8 @@
 # taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto
 # times the modes as users get them (buckets psum was measured faster for go to psum); TRAIN_COLLECTIVE=switch
-# times the unedited psum step under the switch, overlapped and not, instead; TRAIN_RESNET_ARGS="--batch 64"
+# times the unedited psum step under the switch, overlapped and not, instead; TRAIN_MODES="switch,psum-tree,switch-tree"
+# picks the modes (the train tool's --modes; psum and the two baselines always); TRAIN_RESNET_ARGS="--batch 64"
 # gives ResNet-50 more work per GPU (at its 32 images the step is host-bound on H200s); TRAIN_ASYNC_BLOCKS="8 12"
 # adds a GPT-2 run per overlapped grid size, 1.5 min each);
 # decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes; DECODE_BATCH,
@@ -178,9 +179,9 @@ PY
         set -- $model
         JAX_BLINK_ASYNC_ENGINE=${TRAIN_ASYNC_ENGINE:-} timeout -k 5 200 python3 -m jax_blink.tools.train --model "$1" --size "$2" --collective "${TRAIN_COLLECTIVE:-overlap}" \
           --dispatch "${TRAIN_DISPATCH:-blink}" --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" \
-          $([ "$1" = resnet ] && echo "${TRAIN_RESNET_ARGS:-}") > "$OUT/train-$1.log" 2>&1
+          ${TRAIN_MODES:+--modes "$TRAIN_MODES"} $([ "$1" = resnet ] && echo "${TRAIN_RESNET_ARGS:-}") > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -14
-        for m in psum none blink overlap switch switch-auto switch-sparse switch-late switch-sync; do
+        for m in psum none none-barrier blink overlap switch switch-auto switch-sparse switch-late switch-sync psum-tree switch-tree; do
           t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
           [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
         done

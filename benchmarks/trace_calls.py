@@ -92,7 +92,7 @@ def report(label: str, fn, x, pattern: tuple[str, ...], k: int, warmup: int = 2)
               f"span {(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e3:.1f} us")
         for i, (s, dur) in enumerate(evs[:6]):
             print(f"    #{i}: start {(s - t0) / 1e3:8.1f}  dur {dur / 1e3:7.1f}  gap {gaps[i - 1] / 1e3 if i else 0:7.1f}")
-    print(f"  host, busiest events of the traced run (every thread, Python frames left out; nested events counted in their parents too):")
+    print("  host, busiest events of the traced run (every thread, Python frames left out; nested events counted in their parents too):")
     print(f"    {'count':>6} {'total us':>10} {'longest us':>10}  name")
     for name, c, tot, mx in host_events(path):
         print(f"    {c:6d} {tot:10.1f} {mx:10.1f}  {name}")

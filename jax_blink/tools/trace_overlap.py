@@ -30,7 +30,7 @@ OUR_KERNELS = re.compile(r"\b(?:collective|ll|oneshot|one_shot|twoshot|two_shot|
 #: XLA's collectives on GPUs: NCCL's kernels.
 XLA_COLLECTIVES = re.compile(r"nccl", re.IGNORECASE)
 #: Events on a GPU that are not compute: copies, sets and NCCL's kernels (XLA's collectives).
-NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)|nccl", re.IGNORECASE)
+NOT_COMPUTE = re.compile(r"^(?:Memcpy|Memset|memcpy|memset)|" + XLA_COLLECTIVES.pattern, re.IGNORECASE)
 
 
 def load(path) -> dict:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
-from jax_blink.tools.train.modes import BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, TREE_MODES
+from jax_blink.tools.train.modes import BASELINES, LABELS, MODES, SITE_ENVIRONMENT, TREE_MODES, overlapped_modes
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -82,8 +82,8 @@ def _mode_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in names if t not in MODES]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"--modes takes a comma-separated list of modes ({', '.join(MODES)}), "
-                                         f"got {text!r}")
+        what = f"no mode {', '.join(unknown)}" if unknown else f"no mode named in {text!r}"
+        raise argparse.ArgumentTypeError(f"{what}; --modes takes a comma-separated list of modes ({', '.join(MODES)})")
     return names
 
 
@@ -96,8 +96,7 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        modes = ["psum", "blink", *(m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")), "psum-tree",
-                 *BASELINES]
+        modes = ["psum", "blink", *overlapped_modes(hold), "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
@@ -334,9 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(dp.layout.explain(default_topology(n, "gpu" if devices[0].platform in ("gpu", "cuda") else devices[0].platform)))
     if n == 1:
         say("one device: every all-reduce is the identity (nothing to sum across); jax_blink returns its input")
-    # The overlapped modes that --hold names (step.OVERLAP_HOLD: mode -> hold); the first trains.
-    overlapped = [m for m, hold in OVERLAP_HOLD.items() if args.hold in (hold, "both")]
-    first = overlapped[0] if args.collective == "overlap" else args.collective
+    # The first of the overlapped modes that --hold names trains.
+    first = overlapped_modes(args.hold)[0] if args.collective == "overlap" else args.collective
     state, losses = dp.run(first, args.steps, lambda i, loss: say(f"step {i} loss {loss:.6f}"))
     if not all(np.isfinite(losses)):
         say("loss is not finite")
@@ -349,8 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
     if args.timing_runs:
-        # psum, the mode asked for, no all-reduce; jax_blink's synchronous and overlapped steps side
-        # by side when either of them is asked for.
         modes = timed_modes(args.collective, args.dispatch, args.model, args.hold, args.modes)
         times = time_steps(dp, modes, state, args.timing_runs, args.chain)
         med = {m: statistics.median(t) for m, t in times.items()}
@@ -362,18 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record["timing"] = {"runs": args.timing_runs, "chain": args.chain,
                             "method": "step with the all-reduce removed (none); the same with each bucket behind an "
                                       "optimization barrier (none-barrier)", "modes": {}}
-        labels = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
-                  "overlap": f"jax_blink overlapped{' (hold recent)' if args.hold == 'both' else ''}",
-                  "overlap-all": "jax_blink overlapped (hold all)", "switch": "psum under the switch (overlapped)",
-                  "switch-late": "psum under the switch, late last wait",
-                  "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
-                  "switch-auto": "psum under the switch, dispatch=auto",
-                  "switch-sync": "psum under the switch, switch_overlap=False",
-                  **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
-                     for m, env in SITE_ENVIRONMENT.items()},
-                  "psum-tree": "psum of the gradient tree (no buckets)",
-                  "switch-tree": "psum of the tree under the switch",
-                  "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
+        labels = {**LABELS, "overlap": LABELS["overlap"] + (" (hold recent)" if args.hold == "both" else "")}
         width = max(len(labels[m]) for m in modes)
         for m in modes:
             share = (med[m] - med["none"]) / med[m]

@@ -2,8 +2,6 @@
 is checked before flax and optax are imported (:mod:`jax_blink.tools.train.step` builds them)."""
 from __future__ import annotations
 
-MODES = ("psum", "blink", "overlap", "overlap-all", "switch", "switch-auto", "switch-late", "switch-sparse",
-         "switch-sync", "switch-ce", "switch-8blocks", "psum-tree", "switch-tree", "none", "none-barrier")
 #: The two steps every run times beside psum: without the all-reduce (``none``: XLA then fuses the
 #: gradients' producers with the update), and without it but with each bucket behind an
 #: optimization barrier (``none-barrier``: the fusions stop at the bucket as at a collective), so
@@ -28,3 +26,20 @@ SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8bloc
 TREE_MODES = ("psum-tree", "switch-tree")
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
+#: Every mode and what the tool's table calls it.
+LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
+          "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
+          "switch": "psum under the switch (overlapped)", "switch-auto": "psum under the switch, dispatch=auto",
+          "switch-late": "psum under the switch, late last wait",
+          "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
+          "switch-sync": "psum under the switch, switch_overlap=False",
+          **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
+             for m, env in SITE_ENVIRONMENT.items()},
+          "psum-tree": "psum of the gradient tree (no buckets)", "switch-tree": "psum of the tree under the switch",
+          "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
+MODES = tuple(LABELS)
+
+
+def overlapped_modes(hold: str) -> list[str]:
+    """The overlapped modes that the tool's ``--hold`` (recent, all or both) names."""
+    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")]

@@ -54,7 +54,7 @@ from jax_blink.tools.scoped_env import environment
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-from jax_blink.tools.train.modes import (MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_DEFAULTS,  # noqa: F401
+from jax_blink.tools.train.modes import (BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_DEFAULTS,
                                           SWITCH_OVERLAP, TREE_MODES)
 
 
@@ -106,7 +106,7 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
     for ``switch`` (overlapping), ``switch-late`` (overlapping, the last bucket's wait late) and
     ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
     step's own DDP cap)."""
-    if mode in ("psum", "psum-tree", "none", "none-barrier"):
+    if mode in ("psum", "psum-tree", *BASELINES):
         yield
         return
     with override(dispatch=SWITCH_OVERLAP.get(mode, {}).get("dispatch", dispatch)):
@@ -192,7 +192,7 @@ class DataParallel:
         graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
                                                   self.axis, self.n)
         # `none` leaves each device's parameters its own: shard_map may not check replication.
-        check = mode not in ("none", "none-barrier")
+        check = mode not in BASELINES
 
         def local_step(state, batch):
             params = state["params"]

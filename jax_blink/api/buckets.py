@@ -13,6 +13,11 @@ start early. Where the leaf order is not the order in which the backward pass ma
 (a tied embedding, used first and last, is summed only at the very end), :func:`gradient_order`
 reads that order off the traced gradient program and ``BucketLayout.of(..., order=...)`` follows
 it, as DDP rebuilds its buckets after the first iteration from the order it saw.
+
+One departure from DDP, asked for with ``large_leaf_alone=True``: a leaf of at least the cap
+closes the open bucket first and gets a bucket of its own, as the switch's merged all-reduces do.
+DDP would add it to the open bucket, so the leaves there wait for it: a tied embedding, summed
+last, holds back the first block's gradients and adds their bytes to the last all-reduce.
 """
 from __future__ import annotations
 
@@ -87,6 +92,7 @@ class BucketLayout:
         first_bucket_bytes: The first bucket's cap.
         reversed_leaves: Whether the leaves went in reverse order (DDP's default), rather than in
             an order given (``order=``).
+        large_leaf_alone: Whether a leaf of at least the cap got a bucket of its own.
     """
 
     treedef: Any
@@ -94,11 +100,12 @@ class BucketLayout:
     bucket_bytes: int
     first_bucket_bytes: int
     reversed_leaves: bool = True
+    large_leaf_alone: bool = False
 
     @classmethod
     def of(cls, tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
-           order: Sequence[int] | None = None) -> "BucketLayout":
+           order: Sequence[int] | None = None, large_leaf_alone: bool = False) -> "BucketLayout":
         """The layout of a pytree, bucketed as DDP buckets gradients.
 
         Args:
@@ -109,6 +116,9 @@ class BucketLayout:
                 the same cap.
             order: The leaf indices (in the tree's leaf order) in the order their gradients become
                 ready, e.g. from :func:`gradient_order`; default: the leaves reversed (DDP's).
+            large_leaf_alone: A leaf of at least its bucket's cap closes the open bucket (of its
+                dtype) first and is a bucket of its own; default False, DDP's rule (it joins the
+                open bucket).
 
         Returns:
             The layout.
@@ -116,12 +126,15 @@ class BucketLayout:
         Raises:
             ValueError: A cap is not a positive number of bytes, or ``order`` is not a permutation
                 of the leaf indices.
+            TypeError: ``large_leaf_alone`` is not a bool.
         """
         if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
         first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
         if first < 1:
             raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
+        if not isinstance(large_leaf_alone, (bool, np.bool_)):
+            raise TypeError(f"large_leaf_alone must be True or False, got {large_leaf_alone!r}")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if not with_paths:
             raise ValueError("BucketLayout.of: the tree has no leaves")
@@ -138,15 +151,18 @@ class BucketLayout:
             path, leaf = with_paths[i]
             dtype = np.dtype(leaf.dtype)
             slots = open_.setdefault(dtype, [])
-            offset = sum(s.size for s in slots)
             size = int(np.prod(leaf.shape, dtype=np.int64))
-            slots.append(Slot(i, jax.tree_util.keystr(path), tuple(leaf.shape), offset, size))
             cap = first if not closed else bucket_bytes
+            if large_leaf_alone and slots and size * dtype.itemsize >= cap:
+                closed.append(Bucket(dtype, tuple(slots)))
+                slots = open_[dtype] = []  # the leaf, at least the cap, then closes a bucket alone
+            offset = sum(s.size for s in slots)
+            slots.append(Slot(i, jax.tree_util.keystr(path), tuple(leaf.shape), offset, size))
             if (offset + size) * dtype.itemsize >= cap:
                 closed.append(Bucket(dtype, tuple(slots)))
                 del open_[dtype]
         closed += [Bucket(d, tuple(s)) for d, s in open_.items()]
-        return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order)
+        return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order, bool(large_leaf_alone))
 
     @property
     def nbytes(self) -> int:
@@ -192,8 +208,9 @@ class BucketLayout:
         """One line per bucket: its size, dtype, leaf count and first and last leaves."""
         lines = [f"{len(self.buckets)} bucket(s), {_fmt_bytes(self.nbytes)} in all, {self.treedef.num_leaves} "
                  f"leaves (cap {_fmt_bytes(self.bucket_bytes)}, first bucket {_fmt_bytes(self.first_bucket_bytes)}; "
-                 + ("leaves in reverse order, as DDP)" if self.reversed_leaves else
-                    "leaves in the order their gradients become ready)")]
+                 + ("leaves in reverse order, as DDP" if self.reversed_leaves else
+                    "leaves in the order their gradients become ready")
+                 + ("; a leaf of at least the cap alone)" if self.large_leaf_alone else ")")]
         for i, b in enumerate(self.buckets):
             first, last = b.slots[0].path, b.slots[-1].path
             span = first if len(b.slots) == 1 else f"{first} .. {last}"

@@ -41,7 +41,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
                               has_aux: bool = False, reduce_aux: bool = False,
                               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                               first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
-                              hold: str = "recent", **kwargs) -> Callable:
+                              hold: str = "recent", large_leaf_alone: bool = False, **kwargs) -> Callable:
     """``jax.value_and_grad(fun)`` whose gradients come summed over ``axis_name``, each bucket's
     all-reduce started inside the backward pass as soon as its gradients exist.
 
@@ -61,6 +61,8 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             ``"recent"`` (default), those the backward pass made since the previous start and
             that later steps read; ``"all"``, every value the rest of the program reads (the
             earlier form: XLA must then materialise the forward pass's values).
+        large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
+            bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
         **kwargs: Passed to :func:`jax_blink.all_reduce_start` (``topology``, ``method``).
 
     Returns:
@@ -81,7 +83,8 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         tree = [jax.ShapeDtypeStruct(closed.jaxpr.outvars[i].aval.shape, closed.jaxpr.outvars[i].aval.dtype)
                 for i in reduced]
         order = _buckets.ready_order(program, [program.out_keys[i] for i in reduced])
-        layout = _buckets.BucketLayout.of(tree, bucket_bytes, first_bucket_bytes, order=order)
+        layout = _buckets.BucketLayout.of(tree, bucket_bytes, first_bucket_bytes, order=order,
+                                          large_leaf_alone=large_leaf_alone)
         # The backward pass begins, for the barriers, at the first gradient it makes.
         backward = min((program.made(program.out_keys[i]) for i in range(n_value, len(program.out_keys))),
                        default=len(program.steps))

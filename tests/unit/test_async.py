@@ -217,15 +217,18 @@ def _overlapped_step(params, xs, which, **kw):
     return f(params, xs)
 
 
-@pytest.mark.parametrize("bucket_bytes, hold", [(1000, "recent"), (1000, "all"), (1 << 20, "recent")])
-def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold):
+@pytest.mark.parametrize("bucket_bytes, hold, alone", [(1000, "recent", False), (1000, "all", False),
+                                                       (1 << 20, "recent", False), (3000, "recent", True)])
+def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold, alone):
     """The overlapped gradients (several buckets, a tied embedding, a nested jit inlined, aux
-    summed) equal value_and_grad + psum on fresh random data; the loss is each device's own."""
+    summed) equal value_and_grad + psum on fresh random data; the loss is each device's own. At
+    3000 bytes the embedding (3200) is the only leaf past the cap: with large_leaf_alone it is a
+    bucket of its own, after block 0's."""
     params = _mlp_params(7)
     xs = _sharded(np.random.default_rng(8).integers(0, 50, (N, 6)).astype(np.int32))
     with override(dispatch="blink"):
         got = _overlapped_step(params, xs, "blink", bucket_bytes=bucket_bytes, first_bucket_bytes=bucket_bytes,
-                               hold=hold)
+                               hold=hold, large_leaf_alone=alone)
     want = _overlapped_step(params, xs, "psum")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)

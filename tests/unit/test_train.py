@@ -64,6 +64,30 @@ def test_bucket_layout_is_ddps_and_round_trips():
         layout.pack({**tree, "a": tree["a"][:10]})
 
 
+def test_large_leaf_alone_closes_the_open_bucket_first():
+    """DDP adds a leaf past the cap to the open bucket; large_leaf_alone closes that bucket first
+    and gives the leaf one of its own. The leaves, their order and the round trip are unchanged."""
+    rng = np.random.default_rng(3)
+    tree = {"embed": rng.standard_normal((50, 16)).astype(np.float32),  # 3200 bytes, first in leaf order
+            "w": [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(4)]}  # 1024 bytes each
+    ddp = buckets.BucketLayout.of(tree, bucket_bytes=3000, first_bucket_bytes=3000)
+    alone = buckets.BucketLayout.of(tree, bucket_bytes=3000, first_bucket_bytes=3000, large_leaf_alone=True)
+    paths = lambda layout: [[s.path for s in b.slots] for b in layout.buckets]  # noqa: E731
+    assert paths(ddp) == [["['w'][3]", "['w'][2]", "['w'][1]"], ["['w'][0]", "['embed']"]]
+    assert paths(alone) == [["['w'][3]", "['w'][2]", "['w'][1]"], ["['w'][0]"], ["['embed']"]]
+    assert [s.leaf for b in alone.buckets for s in b.slots] == [s.leaf for b in ddp.buckets for s in b.slots]
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(alone.unpack(alone.pack(tree)))):
+        assert np.array_equal(x, np.asarray(y))
+    assert "a leaf of at least the cap alone" in alone.describe()
+    assert "alone" not in ddp.describe()
+    # The first bucket's smaller cap is the one that counts while it is open.
+    small = {"m": tree["w"][0].repeat(2, axis=0), "z": tree["w"][1]}  # 2048 and 1024 bytes; z comes first
+    assert paths(buckets.BucketLayout.of(small, 1 << 20, 1500)) == [["['z']", "['m']"]]
+    assert paths(buckets.BucketLayout.of(small, 1 << 20, 1500, large_leaf_alone=True)) == [["['z']"], ["['m']"]]
+    with pytest.raises(TypeError, match="large_leaf_alone must be True or False"):
+        buckets.BucketLayout.of(tree, large_leaf_alone="yes")
+
+
 def test_bucketed_all_reduce_equals_psum_per_leaf():
     rng = np.random.default_rng(1)
     per_rank = [_tree(rng) for _ in range(N)]

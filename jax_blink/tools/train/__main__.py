@@ -135,6 +135,10 @@ def parser() -> argparse.ArgumentParser:
                    help="gradient bucket cap in MiB (DDP's bucket_cap_mb; default 25)")
     p.add_argument("--first-bucket-mb", type=_positive_float("--first-bucket-mb"), default=1.0,
                    help="cap of the first bucket in MiB (DDP: 1)")
+    p.add_argument("--large-leaf-alone", action="store_true",
+                   help="a gradient leaf of at least the bucket cap gets a bucket of its own, the open "
+                        "bucket closed before it (DDP adds it to the open bucket: GPT-2's tied embedding "
+                        "then holds back the first block's gradients)")
     p.add_argument("--lr", type=_positive_float("--lr"), help="learning rate (default 0.1 SGD for resnet, 1e-3 AdamW for gpt2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=_positive_int("--devices"),
@@ -323,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
                       lr=args.lr, dispatch=args.dispatch,
                       compiler_options={"xla_backend_optimization_level": 0} if args.quick_compile else None,
-                      stream=args.stream)
+                      stream=args.stream, large_leaf_alone=args.large_leaf_alone)
     say(f"model: {args.model} {args.size} {cfg}, {dp.param_count:,} parameters")
     say(f"gradient buckets: {dp.layout.describe()}")
     if args.explain and n > 1:

@@ -71,6 +71,8 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
     """
     if hold not in HOLDS:
         raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
+    if not isinstance(large_leaf_alone, bool):
+        raise TypeError(f"value_and_grad_overlapped: large_leaf_alone must be True or False, got {large_leaf_alone!r}")
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):

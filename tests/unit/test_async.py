@@ -321,9 +321,11 @@ def test_value_and_grad_overlapped_recent_holds_only_backward_values(monkeypatch
         assert any(program.made(k) < backward for k in all_keys)  # the forward pass's values too
 
 
-def test_value_and_grad_overlapped_rejects_an_unknown_hold():
+def test_value_and_grad_overlapped_rejects_bad_options():
     with pytest.raises(ValueError, match="hold must be one of"):
         jax_blink.value_and_grad_overlapped(_mlp_loss, "data", hold="some")
+    with pytest.raises(TypeError, match="large_leaf_alone must be True or False"):
+        jax_blink.value_and_grad_overlapped(_mlp_loss, "data", large_leaf_alone=1)
 
 
 def test_value_and_grad_overlapped_leaves_lax_buckets_to_xla(monkeypatch):

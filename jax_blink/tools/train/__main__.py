@@ -242,6 +242,36 @@ def time_steps(dp, modes: Sequence[str], state, runs: int, chain: int = 1) -> di
     return {m: [t / chain for t in ts] for m, ts in zip(modes, interleaved_times(fns, state, runs))}
 
 
+#: The largest relative difference of a mode's losses from psum's that the result check lets pass:
+#: float32 sums in another order move the losses by about 1e-6; a lost or doubled bucket by percents.
+LOSS_RTOL = 1e-3
+
+
+def check_against_psum(dp, modes: Sequence[str], steps: int) -> dict[str, dict]:
+    """Each mode of ``modes`` that sums the gradients (not psum, not the baselines), trained
+    ``steps`` steps from the initial state on psum's batches: the largest relative difference of
+    its losses from psum's, the largest absolute difference of its parameters from psum's (AdamW
+    normalises each update, so a rounding difference can move a parameter by up to the learning
+    rate per step), whether all of it is finite, and whether it passes (finite, losses within
+    :data:`LOSS_RTOL`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    ref_state, ref_losses = dp.run("psum", steps)
+    found = {}
+    for m in modes:
+        if m == "psum" or m in BASELINES:
+            continue
+        state, losses = dp.run(m, steps)
+        params = jax.tree.leaves(state["params"])
+        finite = bool(np.all(np.isfinite(losses))) and all(bool(jnp.all(jnp.isfinite(x))) for x in params)
+        param_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(params, jax.tree.leaves(ref_state["params"])))
+        loss_rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref_losses))
+        found[m] = {"loss_rel_diff": loss_rel, "param_abs_diff": param_diff, "finite": finite,
+                    "passed": finite and loss_rel <= LOSS_RTOL}
+    return found
+
+
 def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
     """One traced step of each mode (jax.profiler, after a warm-up step), and the overlap figure of
     its trace (:mod:`jax_blink.tools.trace_overlap`): the share of jax_blink's kernel time that
@@ -350,8 +380,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               "jax": jax.__version__, "environment": run_env, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "buckets": [{"bytes": b.nbytes, "dtype": b.dtype.name, "leaves": len(b.slots)} for b in dp.layout.buckets],
               "losses": losses}
+    failed = []
     if args.timing_runs:
         modes = timed_modes(args.collective, args.dispatch, args.model, args.hold, args.modes)
+        # Every timed mode's result against psum's, before any is timed: a claim needs both.
+        record["check"] = check = check_against_psum(dp, modes, args.steps)
+        if check:
+            say(f"results against psum's, {args.steps} step(s) from the same state on the same batches (measured; "
+                "losses: largest relative difference, parameters: largest absolute difference):")
+            for m, c in check.items():
+                say(f"  {m}: {'ok' if c['passed'] else 'MISMATCH'}, losses within {c['loss_rel_diff']:.1e}, "
+                    f"parameters within {c['param_abs_diff']:.1e}" + ("" if c["finite"] else ", NOT FINITE"))
+        failed = [m for m, c in check.items() if not c["passed"]]
+        if failed:
+            say(f"error: {', '.join(failed)} did not give psum's result (losses more than {LOSS_RTOL:g} apart, or "
+                "not finite); the times below are of a wrong program")
         times = time_steps(dp, modes, state, args.timing_runs, args.chain)
         med = {m: statistics.median(t) for m, t in times.items()}
         how = (f"runs of {args.chain} steps in a row, each dispatched without waiting for the one before"
@@ -419,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
         (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
         print(f"wrote {(out / stem).absolute()}.json and .txt")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

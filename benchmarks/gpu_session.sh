@@ -4,7 +4,7 @@
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
 # Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4
-# multi train decode schedule twoshot cesweep linkprobe auto3 (hybrid and stbench use
+# multi train variants decode schedule twoshot cesweep linkprobe auto3 (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
@@ -35,13 +35,16 @@
 # picks the modes (the train tool's --modes; psum and the two baselines always); TRAIN_RESNET_ARGS="--batch 64"
 # gives ResNet-50 more work per GPU (at its 32 images the step is host-bound on H200s); TRAIN_ASYNC_BLOCKS="8 12"
 # adds a GPT-2 run per overlapped grid size, 1.5 min each);
+# variants looks for session 16's 4-GPU fault: ResNet-50 (128 images per GPU) under the switch with
+# switch-late alone, switch-8blocks alone, then those with switch and switch-tree taking turns (the
+# run that faulted), each bounded (about 6 minutes in all); the train tool checks each mode against psum.
 # decode runs the tensor-parallel decoder at DECODE_TP (default 2,4; about 4 minutes; DECODE_BATCH,
 # DECODE_LAYOUT=sequence for all-gathers and reduce-scatters, batches a multiple of every tp); schedule
 # prints where XLA put each overlapped start and done (benchmarks/overlap_schedule.py).
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train decode schedule twoshot cesweep linkprobe auto3 "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train variants decode schedule twoshot cesweep linkprobe auto3 "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
@@ -192,6 +195,17 @@ PY
         JAX_BLINK_ASYNC_BLOCKS=$blocks timeout -k 5 200 python3 -m jax_blink.tools.train --model gpt2 --size full \
           --collective overlap --steps 2 --timing-runs 10 --out "$OUT/train-blocks$blocks" > "$OUT/train-gpt2-blocks$blocks.log" 2>&1
         echo "train gpt2 async blocks $blocks rc=$?" | tee -a "$OUT/session.log"; grep "ms " "$OUT/train-gpt2-blocks$blocks.log" | tail -4
+      done ;;
+    variants)  # issue 28: session 16's fault on 4 GPUs, one switch variant at a time, then together
+      log variants
+      mkdir -p "$OUT/variants"
+      for modes in switch-late switch-8blocks switch,switch-late,switch-8blocks,switch-tree; do
+        tag=${modes//,/+}
+        timeout -k 5 $([ "$tag" = "${modes}" ] && echo 110 || echo 170) python3 -m jax_blink.tools.train --model resnet \
+          --size medium --batch 128 --collective switch --steps 2 --timing-runs 10 --modes "$modes" \
+          --out "$OUT/variants" > "$OUT/variants-$tag.log" 2>&1
+        echo "variants $modes rc=$?" | tee -a "$OUT/session.log"
+        grep -E "MISMATCH|error|Error|ILLEGAL|corrupted| ok, | ms " "$OUT/variants-$tag.log" | grep -v "Failed to unload" | head -16
       done ;;
     decode)  # issue 29: decode steps of the Llama-shaped model, tp = DECODE_TP
       log decode

@@ -18,6 +18,7 @@ pytest.importorskip("flax", reason="the train extra is not installed (pip instal
 pytest.importorskip("optax", reason="the train extra is not installed (pip install -e '.[train]')")
 
 from jax_blink.tools.train import __main__ as cli  # noqa: E402
+from jax_blink.tools.train.check import check_against_psum  # noqa: E402
 from jax_blink.tools.train.models import SIZES  # noqa: E402
 from jax_blink.tools.train.step import DataParallel, switch_available  # noqa: E402
 
@@ -241,7 +242,7 @@ def test_the_result_check_flags_a_wrong_or_non_finite_mode():
                                "switch-late": ([10.0, 9.001], [3.0, 5.0]),       # one sign turned: 0.2
                                "overlap": ([10.0, 9.1], [3.0, 0.0]),             # a bucket lost: 0.8
                                "blink": ([10.0, 9.0], [3.0, float("nan")]), "none": ([10.0, 5.0], [0.0, 0.0])})
-    check = cli.check_against_psum(dp, ["psum", "switch", "switch-late", "overlap", "blink", "none", "none-barrier"], 2)
+    check = check_against_psum(dp, ["psum", "switch", "switch-late", "overlap", "blink", "none", "none-barrier"], 2)
     assert set(check) == {"switch", "switch-late", "overlap", "blink"}  # psum is the reference; the baselines sum nothing
     assert check["switch"]["passed"] and check["switch"]["update_rel_diff"] == pytest.approx(1e-7, abs=2e-7)
     assert check["switch-late"]["passed"] and check["switch-late"]["update_rel_diff"] == pytest.approx(0.2)

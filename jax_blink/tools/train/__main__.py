@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timing_runs:
         modes = timed_modes(args.collective, args.dispatch, args.model, args.hold, args.modes)
         # Every timed mode's result against psum's, before any is timed: a claim needs both.
-        record["check"] = check = check_against_psum(dp, modes, args.steps)
+        record["check"] = check = check_against_psum(dp, modes, args.steps, done={first: (state, losses)})
         if check:
             say(f"results against psum's, {args.steps} step(s) from the same state on the same batches (measured; "
                 "parameter change: |p - p_psum| / |p_psum - p0|, must be <= "

@@ -1,0 +1,194 @@
+"""What a gradient boundary costs XLA's fusions, with no communication: the training step of the
+train tool with the all-reduce taken out, and the gradients passed through
+``lax.optimization_barrier`` in several shapes. One device is enough (every mode is one device's
+program; a barrier stays in XLA:GPU's program whatever the device count), so this runs on a
+one-GPU machine.
+
+Modes (each is the step of ``none`` with something at the gradients' place):
+
+- ``none``: nothing (the gradients fuse into the update as XLA likes);
+- ``flat``: each DDP bucket packed into one flat buffer behind a barrier (the train tool's
+  ``none-barrier``: what psum's and the executor's operands cost the fusions);
+- ``leaves``: each bucket's leaves as they are, one barrier per bucket, nothing packed (what a
+  collective that took the leaves without packing would cost);
+- ``leaf``: every leaf behind a barrier of its own;
+- ``tree``: the whole tree behind one barrier.
+
+For each mode it prints the step's time (MEASURED: median of ``--runs`` rounds, the modes taking
+turns, ``--chain`` steps in a row per round), and the kernels of the compiled program read from
+its optimized HLO (the entry computation's fusions and library calls: COUNTED, not timed), with
+the fusion kinds that differ most from ``none``'s.
+
+    python benchmarks/boundary_probe.py --model resnet --size medium --batch 128
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MODES = ("none", "flat", "leaves", "leaf", "tree")
+
+#: Entry-computation opcodes that launch no kernel.
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
+              "after-all", "partition-id", "replica-id"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+
+
+def boundary(mode: str, tree, layout):
+    """``tree`` (``{"grads", "stats"}``) as the step of ``mode`` hands it to the update."""
+    if mode == "none":
+        return tree
+    if mode == "flat":
+        return layout.unpack([lax.optimization_barrier(b) for b in layout.pack(tree)])
+    if mode == "tree":
+        return lax.optimization_barrier(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if mode == "leaf":
+        leaves = [lax.optimization_barrier(v) for v in leaves]
+    elif mode == "leaves":
+        for bucket in layout.buckets:
+            held = lax.optimization_barrier([leaves[s.leaf] for s in bucket.slots])
+            for s, v in zip(bucket.slots, held):
+                leaves[s.leaf] = v
+    else:
+        raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def kernels(hlo_text: str) -> collections.Counter:
+    """Kernel-launching instructions of the optimized HLO's entry computation, by name stem
+    (``loop_add_fusion.12`` counts as ``loop_add_fusion``; a library call by its opcode)."""
+    counts: collections.Counter = collections.Counter()
+    in_entry = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+            continue
+        if in_entry and line.startswith("}"):
+            break
+        m = _INSTRUCTION.match(line) if in_entry else None
+        if not m or m.group(2) in _NO_KERNEL:
+            continue
+        name, op = m.groups()
+        counts[re.sub(r"[.\d]+$", "", name) if op == "fusion" else op] += 1
+    return counts
+
+
+def make_steps(dp, modes):
+    """{mode: compiled step} for ``dp`` (a :class:`~jax_blink.tools.train.step.DataParallel`)."""
+    import optax
+    from flax import nnx
+    graphdef, loss_fn, tx, layout, axis = dp.graphdef, dp.loss_fn, dp.tx, dp.layout, dp.axis
+
+    def step_of(mode):
+        def local_step(state, batch):
+            params = state["params"]
+
+            def loss_of(p):
+                model = nnx.merge(graphdef, p, state["stats"], copy=True)
+                return loss_fn(model, batch), nnx.state(model, nnx.BatchStat)
+
+            (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            out = boundary(mode, {"grads": grads, "stats": stats}, layout)
+            updates, opt = tx.update(out["grads"], state["opt"], params)
+            return ({"params": optax.apply_updates(params, updates), "stats": out["stats"], "opt": opt},
+                    loss.reshape(1))
+
+        fn = jax.jit(jax.shard_map(local_step, mesh=dp.mesh, in_specs=(P(), P(axis)),
+                                   out_specs=(P(), P(axis)), check_vma=False))
+        return fn.lower(dp.state0, dp.batches[0]).compile()
+
+    return {m: step_of(m) for m in modes}
+
+
+def main(argv=None) -> int:
+    from jax_blink.tools.timing import Ready, interleaved_times
+    from jax_blink.tools.train.__main__ import model_config, parser as train_parser
+    from jax_blink.tools.train.step import DataParallel
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("resnet", "gpt2"), default="resnet")
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--batch", type=int, default=None, help="per device (default: the size's)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--chain", type=int, default=4)
+    p.add_argument("--devices", type=int, default=1, help="the mesh's size (default 1)")
+    p.add_argument("--out", type=Path, default=None, help="write a JSON of the results here")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="trace one step of each mode (jax.profiler) into this folder")
+    p.add_argument("--hlo", type=Path, default=None, help="write each mode's optimized HLO into this folder")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        p.error(f"--modes: unknown {bad or 'empty'}; choose from {', '.join(MODES)}")
+    if args.devices < 1 or args.devices > len(jax.devices()):
+        p.error(f"--devices {args.devices}: this process has {len(jax.devices())} device(s)")
+    if args.runs < 1 or args.chain < 1:
+        p.error("--runs and --chain must be at least 1")
+
+    train_argv = ["--model", args.model, "--size", args.size]
+    if args.batch is not None:
+        train_argv += ["--batch", str(args.batch)]
+    cfg = model_config(train_parser().parse_args(train_argv))
+    mesh = jax.make_mesh((args.devices,), ("data",), devices=jax.devices()[:args.devices])
+    dp = DataParallel(args.model, cfg, mesh)
+    steps = make_steps(dp, modes)
+    counts = {m: kernels(c.as_text()) for m, c in steps.items()}
+    if args.hlo:
+        args.hlo.mkdir(parents=True, exist_ok=True)
+        for m, c in steps.items():
+            (args.hlo / f"{args.model}-{args.size}-{m}.hlo.txt").write_text(c.as_text())
+
+    batch = dp.batches[0]
+
+    def chain_of(c):
+        def run(s):
+            for _ in range(args.chain):
+                s, loss = c(s, batch)
+            return Ready((s, loss))
+        return run
+
+    times = interleaved_times([chain_of(steps[m]) for m in modes], dp.state0, args.runs)
+    if args.profile:
+        for m in modes:
+            jax.block_until_ready(steps[m](dp.state0, batch))
+            with jax.profiler.trace(str(args.profile / m)):
+                jax.block_until_ready(steps[m](dp.state0, batch))
+    med = {m: statistics.median(ts) / args.chain * 1e3 for m, ts in zip(modes, times)}
+    kind = f"{len(mesh.devices.flat)} x {jax.devices()[0].device_kind}"
+    print(f"{args.model} {args.size} (batch {cfg.batch} per device), {kind}, jax {jax.__version__}; "
+          f"{len(dp.layout.buckets)} buckets; step time MEASURED (median of {args.runs} rounds of "
+          f"{args.chain} steps in a row, modes taking turns); kernels COUNTED in the optimized HLO")
+    base = counts.get("none")
+    for m in modes:
+        extra = "" if "none" not in med else f"  ({med[m] - med['none']:+.3f} ms over none)"
+        print(f"  {m:7s} {med[m]:9.3f} ms{extra}  kernels {sum(counts[m].values())}")
+        if base is not None and m != "none":
+            diff = {k: counts[m][k] - base[k] for k in set(counts[m]) | set(base)}
+            top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
+            if top:
+                print("          vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,
+                                        "devices": kind, "jax": jax.__version__, "chain": args.chain,
+                                        "runs": args.runs, "step_ms": med,
+                                        "kernels": {m: dict(c) for m, c in counts.items()},
+                                        "times_s": {m: ts for m, ts in zip(modes, times)}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

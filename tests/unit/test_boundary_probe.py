@@ -1,0 +1,71 @@
+"""benchmarks/boundary_probe.py on CPU: every boundary shape hands the update the same values as
+no boundary (the step trains to the same parameters), the kernel count reads the entry
+computation only, and bad arguments are refused naming the option."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import boundary_probe as probe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dp():
+    from jax_blink.tools.train.models import SIZES
+    from jax_blink.tools.train.step import DataParallel
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    # Small buckets, so that a bucket holds several leaves and there are several buckets.
+    return DataParallel("gpt2", SIZES["gpt2"]["tiny"], mesh, bucket_bytes=16 << 10, first_bucket_bytes=4 << 10)
+
+
+def test_every_boundary_trains_as_none(dp):
+    assert len(dp.layout.buckets) > 2 and max(len(b.slots) for b in dp.layout.buckets) > 1
+    steps = probe.make_steps(dp, probe.MODES)
+    out = {m: jax.device_get(steps[m](dp.state0, dp.batches[0])) for m in probe.MODES}
+    ref_leaves = jax.tree.leaves(out["none"][0]["params"])
+    start = jax.tree.leaves(jax.device_get(dp.state0["params"]))
+    assert any(not np.array_equal(a, b) for a, b in zip(ref_leaves, start))  # the step moved something
+    for m in probe.MODES[1:]:
+        for a, b in zip(jax.tree.leaves(out[m][0]["params"]), ref_leaves):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=m)
+        np.testing.assert_array_equal(out[m][1], out["none"][1])
+
+
+def test_kernels_counts_the_entry_computation_only():
+    hlo = """HloModule m
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %add.9 = f32[4]{0} add(%p, %p)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %loop_add_fusion.12 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %loop_add_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %opt-barrier.1 = (f32[4]{0}) opt-barrier(%loop_add_fusion)
+  %gte = f32[4]{0} get-tuple-element(%opt-barrier.1), index=0
+  %custom-call.3 = f32[4]{0} custom-call(%gte), custom_call_target="x"
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%custom-call.3, %loop_add_fusion.12)
+}
+"""
+    assert probe.kernels(hlo) == {"loop_add_fusion": 2, "custom-call": 1}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--modes", "flat,nope"], "--modes: unknown ['nope']"),
+    (["--devices", "99"], "--devices 99"),
+    (["--runs", "0"], "--runs and --chain"),
+])
+def test_bad_arguments_are_refused(argv, needle):
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "boundary_probe.py"), *argv],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr

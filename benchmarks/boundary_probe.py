@@ -12,7 +12,11 @@ Modes (each is the step of ``none`` with something at the gradients' place):
 - ``leaves``: each bucket's leaves as they are, one barrier per bucket, nothing packed (what a
   collective that took the leaves without packing would cost);
 - ``leaf``: every leaf behind a barrier of its own;
-- ``tree``: the whole tree behind one barrier.
+- ``tree``: the whole tree behind one barrier;
+- ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
+  (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
+  aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
+  start that takes a bucket packed (as jax_blink's does), its leaves as they are, or one leaf.
 
 For each mode it prints the step's time (MEASURED: median of ``--runs`` rounds, the modes taking
 turns, ``--chain`` steps in a row per round), and the kernels of the compiled program read from
@@ -35,7 +39,8 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MODES = ("none", "flat", "leaves", "leaf", "tree")
+MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf")
+_TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
@@ -43,24 +48,70 @@ _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 
 
+def _build_identity(platform: str) -> Path:
+    """The identity custom call's library for ``platform`` ("gpu" or "cpu"), built once per source."""
+    import hashlib
+    import subprocess
+    import tempfile
+    source = Path(__file__).with_name("boundary_probe_ffi.cc")
+    digest = hashlib.sha256(source.read_bytes() + platform.encode()).hexdigest()[:12]
+    so = Path(tempfile.gettempdir()) / f"jax_blink_boundary_probe_{platform}_{digest}.so"
+    if so.exists():
+        return so
+    include = ["-I", jax.ffi.include_dir()]
+    if platform == "gpu":
+        cmd = ["nvcc", "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+               "-DPROBE_CUDA", "-x", "cu", *include, str(source), "-o", str(so) + ".tmp"]
+    else:
+        cmd = ["g++", "-std=c++17", "-O2", "-shared", "-fPIC", "-w", *include, str(source), "-o", str(so) + ".tmp"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        raise SystemExit(f"boundary_probe: the call-* modes build {source.name} with {cmd[0]}, which is not "
+                         f"on PATH; install it or leave those modes out of --modes") from None
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"boundary_probe: building {source.name} failed:\n{e.stderr[-2000:]}") from None
+    Path(str(so) + ".tmp").replace(so)
+    return so
+
+
+_registered: set[str] = set()
+
+
+def identity_call(values: list) -> list:
+    """``values`` through one identity custom call (each result aliases its operand)."""
+    import ctypes
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+    if platform not in _registered:
+        lib = ctypes.cdll.LoadLibrary(str(_build_identity(platform)))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BoundaryProbeIdentity),
+                                    platform="CUDA" if platform == "gpu" else "cpu")
+        _registered.add(platform)
+    call = jax.ffi.ffi_call(_TARGET, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values],
+                            input_output_aliases={i: i for i in range(len(values))})
+    return list(call(*values))
+
+
 def boundary(mode: str, tree, layout):
     """``tree`` (``{"grads", "stats"}``) as the step of ``mode`` hands it to the update."""
     if mode == "none":
         return tree
-    if mode == "flat":
-        return layout.unpack([lax.optimization_barrier(b) for b in layout.pack(tree)])
-    if mode == "tree":
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    shape = mode.removeprefix("call-")
+    hold = identity_call if mode.startswith("call-") else (lambda vs: list(lax.optimization_barrier(vs)))
+    if shape == "flat":
+        return layout.unpack([hold([b])[0] for b in layout.pack(tree)])
+    if shape == "tree":
         return lax.optimization_barrier(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if mode == "leaf":
-        leaves = [lax.optimization_barrier(v) for v in leaves]
-    elif mode == "leaves":
+    if shape == "leaf":
+        leaves = [hold([v])[0] for v in leaves]
+    else:  # leaves: one per bucket
         for bucket in layout.buckets:
-            held = lax.optimization_barrier([leaves[s.leaf] for s in bucket.slots])
+            held = hold([leaves[s.leaf] for s in bucket.slots])
             for s, v in zip(bucket.slots, held):
                 leaves[s.leaf] = v
-    else:
-        raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -120,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=("resnet", "gpt2"), default="resnet")
     p.add_argument("--size", default="tiny")
     p.add_argument("--batch", type=int, default=None, help="per device (default: the size's)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES[:5]), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--chain", type=int, default=4)
     p.add_argument("--devices", type=int, default=1, help="the mesh's size (default 1)")
@@ -174,12 +225,12 @@ def main(argv=None) -> int:
     base = counts.get("none")
     for m in modes:
         extra = "" if "none" not in med else f"  ({med[m] - med['none']:+.3f} ms over none)"
-        print(f"  {m:7s} {med[m]:9.3f} ms{extra}  kernels {sum(counts[m].values())}")
+        print(f"  {m:11s} {med[m]:9.3f} ms{extra}  kernels {sum(counts[m].values())}")
         if base is not None and m != "none":
             diff = {k: counts[m][k] - base[k] for k in set(counts[m]) | set(base)}
             top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
             if top:
-                print("          vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+                print("              vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_blink.lowering import jaxpr_steps
+from jax_blink.lowering import packing as _packing
+from jax_blink.lowering.mesh import platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 
@@ -74,9 +76,13 @@ class Bucket:
         """Bytes in the bucket."""
         return self.size * self.dtype.itemsize
 
-    def pack(self, leaves: Sequence | Mapping[int, Any]) -> jax.Array:
+    def pack(self, leaves: Sequence | Mapping[int, Any], platform: str | None = None) -> jax.Array:
         """This bucket's flat buffer from ``leaves``, indexed by leaf index (the tree's leaf order;
-        a mapping needs only this bucket's leaves)."""
+        a mapping needs only this bucket's leaves). ``platform``: the platform that jax_blink's
+        executor sums it on, whose ``config.bucket_packing`` applies
+        (:mod:`jax_blink.lowering.packing`); None: XLA's concatenation."""
+        if platform is not None:
+            return _packing.join([leaves[s.leaf] for s in self.slots], platform)
         flat = [jnp.ravel(leaves[s.leaf]) for s in self.slots]
         return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
 
@@ -169,17 +175,18 @@ class BucketLayout:
         """Bytes in all buckets."""
         return sum(b.nbytes for b in self.buckets)
 
-    def pack(self, tree) -> list[jax.Array]:
-        """The tree's leaves as one flat array per bucket.
+    def pack(self, tree, platform: str | None = None) -> list[jax.Array]:
+        """The tree's leaves as one flat array per bucket (``platform``: as :meth:`Bucket.pack`).
 
         Raises:
             ValueError: The tree's structure, a leaf's shape or its dtype differs from the layout's.
         """
         leaves = self._leaves(tree)
-        return [b.pack(leaves) for b in self.buckets]
+        return [b.pack(leaves, platform) for b in self.buckets]
 
-    def unpack(self, buffers) -> Any:
-        """The inverse of :meth:`pack`: the tree back from one flat array per bucket.
+    def unpack(self, buffers, platform: str | None = None) -> Any:
+        """The inverse of :meth:`pack`: the tree back from one flat array per bucket
+        (``platform``: the one given to :meth:`pack`).
 
         Raises:
             ValueError: The number of buffers is not the number of buckets.
@@ -188,6 +195,10 @@ class BucketLayout:
             raise ValueError(f"expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves: list = [None] * self.treedef.num_leaves
         for b, buf in zip(self.buckets, buffers):
+            if platform is not None:
+                for s, v in zip(b.slots, _packing.split(buf, [s.shape for s in b.slots], platform)):
+                    leaves[s.leaf] = v
+                continue
             for s in b.slots:
                 leaves[s.leaf] = buf[s.offset:s.offset + s.size].reshape(s.shape)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
@@ -231,7 +242,7 @@ class BucketLayout:
 
 def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
              layout: BucketLayout | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-             ordered: bool = False):
+             ordered: bool = False, platform: str | None = None):
     """``tree`` with ``reduce_bucket`` applied to each of its buckets (one call per flat buffer).
 
     Args:
@@ -245,17 +256,19 @@ def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],
             device, which can leave two devices waiting on each other. On CPU the wait is the
             executor's ``jax_blink_after`` call (XLA:CPU's compiler removes optimization
             barriers); elsewhere a barrier.
+        platform: The platform whose jax_blink executor sums the buckets (its
+            ``config.bucket_packing`` packs them: :meth:`BucketLayout.pack`); None: XLA's packing.
 
     Returns:
         A pytree of ``tree``'s structure.
     """
     layout = layout or BucketLayout.of(tree, bucket_bytes)
     outs: list[jax.Array] = []
-    for buf in layout.pack(tree):
+    for buf in layout.pack(tree, platform):
         if ordered and outs:
             buf = _wait_for(buf, outs[-1])
         outs.append(reduce_bucket(buf))
-    return layout.unpack(outs)
+    return layout.unpack(outs, platform)
 
 
 def _wait_for(buf: jax.Array, prev: jax.Array) -> jax.Array:
@@ -288,7 +301,7 @@ def bucketed_all_reduce(tree, axis_name, *, layout: BucketLayout | None = None,
     if not overlap:
         from jax_blink.api.collectives import all_reduce
         return bucketed(tree, lambda buf: all_reduce(buf, axis_name, **kwargs), layout, bucket_bytes,
-                        ordered=True)
+                        ordered=True, platform=_platform())
     return _overlapped_all_reduce(tree, axis_name, layout or BucketLayout.of(tree, bucket_bytes), **kwargs)
 
 
@@ -297,10 +310,11 @@ def _overlapped_all_reduce(tree, axis_name, layout: BucketLayout, **kwargs):
     gradients the backward pass makes first come first; the last on the whole grid, nothing is left
     to overlap), then every done after the last start."""
     started: list = []
-    bufs = layout.pack(tree)
+    platform = _platform()
+    bufs = layout.pack(tree, platform)
     for k, buf in enumerate(bufs):
         start_in_order(buf, started, axis_name, full_grid=k == len(bufs) - 1, **kwargs)
-    return layout.unpack(done_after_last(started, started[-1]))
+    return layout.unpack(done_after_last(started, started[-1]), platform)
 
 
 def gradient_order(grad_fn: Callable, *args, **kwargs) -> list[int]:

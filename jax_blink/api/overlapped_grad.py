@@ -30,7 +30,7 @@ from jax import lax
 
 from jax_blink.api import buckets as _buckets
 from jax_blink.lowering import jaxpr_steps
-from jax_blink.lowering.mesh import AxisName
+from jax_blink.lowering.mesh import AxisName, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
@@ -113,6 +113,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     handles: list = [None] * len(layout.buckets)
     started: list = []
     since = backward - 1  # hold="recent": values made after this step are the recent ones
+    platform = _platform()  # the executor's bucket packing applies (lowering/packing.py)
 
     def read(k):
         return k.value if isinstance(k, jaxpr_steps.Lit) else values[k]
@@ -122,7 +123,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
         held_at = None
         for b in due.get(i, ()):
             bucket = layout.buckets[b]
-            buf = bucket.pack({s.leaf: read(leaf_keys[s.leaf]) for s in bucket.slots})
+            buf = bucket.pack({s.leaf: read(leaf_keys[s.leaf]) for s in bucket.slots}, platform)
             h = handles[b] = _buckets.start_in_order(buf, started, axis_name, full_grid=b == last_bucket, **kwargs)
             # What `hold` names waits for the start: the rest of the backward pass cannot run
             # before it, and the start cannot sink to the end of the step. Not for a start that
@@ -143,7 +144,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
         for k in step.ins:  # free what no later step reads (as eval_jaxpr does)
             if not isinstance(k, jaxpr_steps.Lit) and program.last_use.get(k) == i and k not in kept:
                 values.pop(k, None)
-    unpacked = layout.unpack(_buckets.done_after_last(handles, started[-1]))
+    unpacked = layout.unpack(_buckets.done_after_last(handles, started[-1]), platform)
     result = [read(k) for k in program.out_keys]
     for j, i in enumerate(reduced):
         result[i] = unpacked[j]

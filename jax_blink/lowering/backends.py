@@ -27,6 +27,8 @@ TARGET_IPC = "jax_blink_collective_ipc"
 TARGET_START, TARGET_DONE = "jax_blink_start", "jax_blink_done"
 #: CPU: out = x once a second operand exists; orders collectives across processes (distributed.py).
 TARGET_AFTER = "jax_blink_after"
+#: GPU: a bucket's leaves into one flat buffer and back, one copy kernel each (kernels/cuda/pack_ffi.cc).
+TARGET_PACK, TARGET_UNPACK = "jax_blink_pack", "jax_blink_unpack"
 
 # XLA's platform names for the handlers of each compiled module.
 _MODULES = {"cpu": ("jax_blink._blink_cpu", "cpu"), "gpu": ("jax_blink._blink_cuda", "CUDA")}
@@ -61,10 +63,16 @@ def register(platform: str) -> bool:
     if TARGET_LITE in plain:
         jax.ffi.register_ffi_target(TARGET_LITE, plain[TARGET_LITE], platform=xla_platform)
         jax.ffi.register_ffi_target(TARGET_LITE_CB, graph[TARGET_LITE], platform=xla_platform)
-    for probe in (TARGET_MP, TARGET_AFTER, TARGET_IPC, TARGET_START, TARGET_DONE):
+    for probe in (TARGET_MP, TARGET_AFTER, TARGET_IPC, TARGET_START, TARGET_DONE, TARGET_PACK, TARGET_UNPACK):
         if probe in plain:
             jax.ffi.register_ffi_target(probe, plain[probe], platform=xla_platform)
     return True
+
+
+@functools.cache
+def has_target(platform: str, target: str) -> bool:
+    """Whether ``platform``'s executor has the handler ``target``, registered with XLA."""
+    return register(platform) and target in module(platform).registrations()
 
 
 def has_call_sites(platform: str) -> bool:

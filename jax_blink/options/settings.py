@@ -90,6 +90,10 @@ def _check_chunk_bytes(value) -> int | str | None:
     return int(v)
 
 
+#: How a bucket's leaves become the executor's flat operand and come back (``bucket_packing``).
+BUCKET_PACKINGS = ("xla", "kernel")
+
+
 def _choice(field: str, choices: tuple[str, ...]):
     def check(value) -> str:
         if not isinstance(value, str):
@@ -138,6 +142,7 @@ _CHECKS = {
     "switch_overlap": _flag("switch_overlap"),
     "switch_late_last_wait": _flag("switch_late_last_wait"),
     "switch_sparse_gradients": _flag("switch_sparse_gradients"),
+    "bucket_packing": _choice("bucket_packing", BUCKET_PACKINGS),
 }
 
 
@@ -193,6 +198,14 @@ class Options:
             (``JAX_BLINK_SWITCH_SPARSE_GRADIENTS``, default False: on 4 x H200 GPT-2 small's step
             was level with it on, 0.9% slower on 2; :mod:`jax_blink.switch.sparse`).
 
+        bucket_packing: How the executor's call of several leaves (a bucket of
+            :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
+            switch) packs them into its flat operand and back: ``"xla"`` (XLA's concatenation and
+            slices) or ``"kernel"`` (one copy kernel each way, ``jax_blink_pack`` and
+            ``jax_blink_unpack``, on GPUs; CPU devices always take XLA's): XLA fuses around a
+            custom call of the leaves as around one leaf, not around a concatenation of them
+            (``JAX_BLINK_BUCKET_PACKING``, default ``"xla"``).
+
     Raises:
         TypeError: An assigned value of the wrong type.
         ValueError: An assigned value the option does not take.
@@ -209,6 +222,7 @@ class Options:
     switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
     switch_sparse_gradients: bool = False  # the switch: embedding gradients gathered, not summed dense
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
+    bucket_packing: str = "xla"  # a bucket's leaves into the executor's flat operand: "xla" or "kernel"
 
     def __setattr__(self, name: str, value) -> None:
         check = _CHECKS.get(name)
@@ -281,6 +295,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_SWITCH_OVERLAP": ("switch_overlap", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_SWITCH_LATE_LAST_WAIT": ("switch_late_last_wait", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_SWITCH_SPARSE_GRADIENTS": ("switch_sparse_gradients", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_BUCKET_PACKING": ("bucket_packing", str.lower, " / ".join(BUCKET_PACKINGS)),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # folder of tuned dispatch entries (dispatch_cache.py), the

@@ -54,6 +54,7 @@ from jax_blink.switch import merge as _merge
 from jax_blink.switch import overlap as _overlap
 from jax_blink.switch import sparse as _sparse
 from jax_blink.lowering import async_call as _async
+from jax_blink.lowering import packing as _packing
 from jax_blink.lowering import call_order as _call_order
 from jax_blink.lowering.call_order import CHAIN as _chain, chains_on_cpu as _chains_on_cpu
 from jax_blink.lowering.hierarchy import SubGroup
@@ -575,7 +576,9 @@ def _merged_rule(platform: str):
 
             def body(*operands, plan=plan, avals=avals):
                 *xs, position = operands
-                return _split(_call(_joined(xs), plan, position, "allreduce", plan.op), avals)
+                at = plan.exec_platform
+                return _packing.split(_call(_packing.join(xs, at), plan, position, "allreduce", plan.op),
+                                      [a.shape for a in avals], at)
 
             for i, piece in zip(group, _lower(sub, body, *(args[i] for i in group), multiple_results=True)):
                 outs[i] = piece
@@ -616,7 +619,7 @@ def _overlap_start_rule(platform: str):
         def body(*operands_held_position):
             *values, position = operands_held_position
             xs, held = values[:count], values[count:]
-            flat = _joined(xs)
+            flat = _packing.join(xs, plan.exec_platform)
             passed, result, site = _async.start_call(
                 flat, (), op=plan.op, platform=plan.exec_platform, full_grid=last, sub=_ranks(plan, position),
                 topology=custom_call.default_topology(plan.n, plan.exec_platform),
@@ -659,7 +662,9 @@ def _overlap_done_rule(platform: str):
 
             def body(result, passed, token, site=site, avals=avals):
                 done = result if site is None else _async.done_call(passed, result, token, site)
-                return [done, *_split(done, avals)]
+                if site is None:  # XLA's all-reduce of XLA's concatenation
+                    return [done, *_split(done, avals)]
+                return [done, *_packing.split(done, [a.shape for a in avals], site.platform)]
 
             sub = ctx.replace(primitive=None, avals_in=[result_aval, passed_aval, token_aval],
                               avals_out=[result_aval, *avals])

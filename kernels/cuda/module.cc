@@ -49,6 +49,7 @@
 
 #include "cuda/async_ce.h"   // the copy engines' form: two-shot sites with JAX_BLINK_TWOSHOT_ENGINE=ce, ResetCopyEngines
 #include "cuda/async_ffi.h"  // the asynchronous form: jax_blink_start / jax_blink_done
+#include "cuda/pack_ffi.h"   // the bucket packing: jax_blink_pack / jax_blink_unpack
 #include "cuda/executor.h"
 #include "cuda/gpu_binding.h"
 #include "cuda/ipc.h"
@@ -403,6 +404,7 @@ NB_MODULE(_blink_cuda, m) {
         d["jax_blink_collective_ipc"] = nb::capsule(reinterpret_cast<void*>(&JaxBlinkCollectiveIpc));
         // The asynchronous all-reduce (cuda/async_ffi.cc); neither claims the command-buffer trait.
         jax_blink::cuda_async::AddTargets(d);
+        jax_blink::cuda_pack::AddTargets(d);
         return d;
       },
       nb::arg("command_buffers") = false,

@@ -16,9 +16,10 @@ needs_module = pytest.mark.skipif(_blink_cuda is None, reason="needs jax_blink._
 def test_the_shipped_module_registers_the_collectives_only():
     for command_buffers in (False, True):
         targets = set(_blink_cuda.registrations(command_buffers=command_buffers))
-        # the collectives, and the asynchronous pair (kernels/cuda/async_ffi.cc)
+        # the collectives, the asynchronous pair (kernels/cuda/async_ffi.cc) and the bucket
+        # packing's pair (kernels/cuda/pack_ffi.cc)
         assert targets == {"jax_blink_collective", "jax_blink_collective_lite", "jax_blink_collective_ipc",
-                           "jax_blink_start", "jax_blink_done"}
+                           "jax_blink_start", "jax_blink_done", "jax_blink_pack", "jax_blink_unpack"}
 
 
 def test_the_benchmark_probes_are_a_module_of_their_own():

@@ -389,3 +389,40 @@ def test_value_and_grad_overlapped_equals_psum_bitwise_on_exact_sums():
     want, _ = run("psum")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_bucket_packing_kernel_leaves_cpu_programs_as_they_were():
+    """``bucket_packing="kernel"`` packs with the copy kernel on GPUs only: on CPU host devices the
+    overlapped form lowers to the same program (XLA's concatenation and slices) and the same sums."""
+    import re
+    import jax_blink
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    from jax_blink.api.buckets import BucketLayout, bucketed_all_reduce
+    from jax_blink.lowering import packing
+    from jax_blink.options import override
+
+    assert not packing.uses_kernel("cpu")
+    n = min(4, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    rng = np.random.default_rng(5)
+    host = {"a": rng.standard_normal((n, 300)).astype(np.float32), "b": rng.standard_normal((n, 7, 9)).astype(np.float32)}
+    tree = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in host.items()}
+    layout = BucketLayout.of({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in host.items()}, bucket_bytes=1 << 20)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P())
+    def f(t):
+        return bucketed_all_reduce(jax.tree.map(lambda v: v[0], t), "data", layout=layout, overlap=True)
+
+    texts, outs = {}, {}
+    for name in ("xla", "kernel"):
+        with override(bucket_packing=name, dispatch="blink"):
+            texts[name] = f.lower(tree).as_text()
+            outs[name] = f(tree)
+    assert "jax_blink_pack" not in texts["kernel"] and "concatenate" in texts["kernel"]
+    assert re.sub(r"loc\(.*?\)", "", texts["kernel"]) == re.sub(r"loc\(.*?\)", "", texts["xla"])
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(outs["kernel"][k]), np.asarray(outs["xla"][k]))
+        np.testing.assert_allclose(np.asarray(outs["kernel"][k]), host[k].sum(0), rtol=1e-5, atol=1e-5)
+    jax_blink.check()

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
 from jax_blink.tools.train.check import UPDATE_RTOL, check_against_psum
-from jax_blink.tools.train.modes import BASELINES, LABELS, MODES, SITE_ENVIRONMENT, TREE_MODES, overlapped_modes
+from jax_blink.tools.train.modes import (BASELINES, KERNEL_PACKING, LABELS, MODES, SITE_ENVIRONMENT, TREE_MODES,
+                                          overlapped_modes)
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -97,13 +98,13 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        modes = ["psum", "blink", *overlapped_modes(hold), "psum-tree", *BASELINES]
+        modes = ["psum", "blink", *overlapped_modes(hold), "overlap-kpack", "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
-                                                             *TREE_MODES, *BASELINES]
+                                                             "switch-kpack", *TREE_MODES, *BASELINES]
     if asked is None:  # the variants are timed when asked for
-        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES]
+        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in KERNEL_PACKING]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "

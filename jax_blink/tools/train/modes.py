@@ -13,7 +13,8 @@ SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "swit
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
-                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}}
+                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {},
+                  "switch-kpack": {"bucket_packing": "kernel"}, "switch-tree-kpack": {"bucket_packing": "kernel"}}
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
@@ -23,9 +24,14 @@ SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8bloc
 #: a user writes it; XLA combines them into variadic all-reduces), not the DDP buckets' flat buffers;
 #: ``switch-tree`` is that step under the switch (which merges the leaves' psums into calls of at
 #: most the bucket cap itself).
-TREE_MODES = ("psum-tree", "switch-tree")
+TREE_MODES = ("psum-tree", "switch-tree", "switch-tree-kpack")
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
-OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-kpack": "recent"}
+#: Modes that are another mode with the executor's buckets packed by its copy kernel
+#: (``bucket_packing="kernel"``, jax_blink/lowering/packing.py), timed when asked for.
+KERNEL_PACKING = {"switch-kpack": "switch", "switch-tree-kpack": "switch-tree", "overlap-kpack": "overlap"}
+#: jax_blink options that a mode outside the switch lowers under.
+MODE_OPTIONS = {"overlap-kpack": {"bucket_packing": "kernel"}}
 #: Every mode and what the tool's table calls it.
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
@@ -37,9 +43,10 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
              for m, env in SITE_ENVIRONMENT.items()},
           "psum-tree": "psum of the gradient tree (no buckets)", "switch-tree": "psum of the tree under the switch",
           "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
+LABELS.update({m: f"{LABELS[base]}, packed by the copy kernel" for m, base in KERNEL_PACKING.items()})
 MODES = tuple(LABELS)
 
 
 def overlapped_modes(hold: str) -> list[str]:
     """The overlapped modes that the tool's ``--hold`` (recent, all or both) names."""
-    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both")]
+    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both") and m not in KERNEL_PACKING]

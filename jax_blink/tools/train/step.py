@@ -54,8 +54,8 @@ from jax_blink.tools.scoped_env import environment
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-from jax_blink.tools.train.modes import (BASELINES, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_DEFAULTS,
-                                          SWITCH_OVERLAP, TREE_MODES)
+from jax_blink.tools.train.modes import (BASELINES, MODE_OPTIONS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
+                                          SWITCH_DEFAULTS, SWITCH_OVERLAP, TREE_MODES)
 
 
 def build_loss(model: str):
@@ -120,7 +120,8 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
             with jax_blink.installed(), override(**options, **caps):
                 yield
         else:
-            yield
+            with override(**MODE_OPTIONS.get(mode, {})):
+                yield
 
 
 class DataParallel:

@@ -1,0 +1,58 @@
+"""A bucket's leaves into the executor's flat operand and back (``config.bucket_packing``).
+
+``"xla"`` packs with XLA's concatenation and cuts the result with slices. ``"kernel"`` (GPUs) packs
+with the ``jax_blink_pack`` custom call and unpacks with ``jax_blink_unpack``
+(``kernels/cuda/pack_ffi.cc``): one copy kernel each way. XLA must materialise every operand of a
+custom call, as it must any operand of a collective, but a concatenation is a fusion of its own
+that reads all the leaves of a bucket at once, and XLA then splits the backward pass's fusions
+around it (``benchmarks/boundary_probe.py``, ``benchmarks/NOTES.md``). CPU devices always take
+XLA's form: the fusions that this avoids are XLA:GPU's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_blink.lowering import backends as _backends
+from jax_blink.options import config
+
+TARGET_PACK, TARGET_UNPACK = _backends.TARGET_PACK, _backends.TARGET_UNPACK
+
+
+def uses_kernel(platform: str) -> bool:
+    """Whether a bucket lowered now for ``platform`` is packed by the copy kernel."""
+    return (config.bucket_packing == "kernel" and platform == "gpu"
+            and _backends.has_target(platform, TARGET_PACK))
+
+
+def _concatenated(xs):
+    return jnp.concatenate([x.reshape(-1) for x in xs])
+
+
+def _sliced(flat, shapes):
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    return [lax.slice(flat, (int(e - k),), (int(e),)).reshape(s)
+            for k, e, s in zip(sizes, np.cumsum(sizes), shapes)]
+
+
+def join(xs, platform: str):
+    """The arrays ``xs`` (one dtype) as one flat array, their elements one after another."""
+    if len(xs) == 1:
+        return xs[0].reshape(-1)
+    if not uses_kernel(platform):
+        return _concatenated(xs)
+    flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)
+    return jax.ffi.ffi_call(TARGET_PACK, flat_type)(*xs)
+
+
+def split(flat, shapes, platform: str) -> list:
+    """The inverse of :func:`join`: ``flat`` cut into arrays of ``shapes``."""
+    shapes = [tuple(s) for s in shapes]
+    if len(shapes) == 1:
+        return [flat.reshape(shapes[0])]
+    if not uses_kernel(platform):
+        return _sliced(flat, shapes)
+    types = jax.eval_shape(lambda f: _sliced(f, shapes), flat)
+    return list(jax.ffi.ffi_call(TARGET_UNPACK, types)(flat))

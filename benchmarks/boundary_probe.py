@@ -13,6 +13,9 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   collective that took the leaves without packing would cost);
 - ``leaf``: every leaf behind a barrier of its own;
 - ``tree``: the whole tree behind one barrier;
+- ``leaves-grads``: as ``leaves``, the buckets' gradients only (BatchNorm's statistics, values of
+  the forward pass that travel in the same buckets, left out); ``leaves-last`` only the last
+  bucket held, ``leaves-but-last`` every bucket but the last: which groups split the fusions;
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -39,7 +42,8 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf")
+MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
+         "leaves-grads", "leaves-last", "leaves-but-last")
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -107,10 +111,16 @@ def boundary(mode: str, tree, layout):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if shape == "leaf":
         leaves = [hold([v])[0] for v in leaves]
-    else:  # leaves: one per bucket
-        for bucket in layout.buckets:
-            held = hold([leaves[s.leaf] for s in bucket.slots])
-            for s, v in zip(bucket.slots, held):
+    else:  # leaves: one per bucket (or some buckets, or their gradients only)
+        last = len(layout.buckets) - 1
+        for b, bucket in enumerate(layout.buckets):
+            if (shape == "leaves-last" and b != last) or (shape == "leaves-but-last" and b == last):
+                continue
+            slots = [s for s in bucket.slots if shape != "leaves-grads" or s.path.startswith("['grads']")]
+            if not slots:
+                continue
+            held = hold([leaves[s.leaf] for s in slots])
+            for s, v in zip(slots, held):
                 leaves[s.leaf] = v
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -172,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="tiny")
     p.add_argument("--batch", type=int, default=None, help="per device (default: the size's)")
     p.add_argument("--modes", default=",".join(MODES[:5]), help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--runs", type=int, default=10, help="timed rounds; 0: compile and count kernels only")
     p.add_argument("--chain", type=int, default=4)
     p.add_argument("--devices", type=int, default=1, help="the mesh's size (default 1)")
     p.add_argument("--out", type=Path, default=None, help="write a JSON of the results here")
@@ -186,8 +196,10 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown {bad or 'empty'}; choose from {', '.join(MODES)}")
     if args.devices < 1 or args.devices > len(jax.devices()):
         p.error(f"--devices {args.devices}: this process has {len(jax.devices())} device(s)")
-    if args.runs < 1 or args.chain < 1:
-        p.error("--runs and --chain must be at least 1")
+    if args.runs < 0 or args.chain < 1:
+        p.error("--runs must be at least 0 and --chain at least 1")
+    if args.runs == 0 and args.profile:
+        p.error("--profile traces the timed steps: give --runs 1 or more")
 
     train_argv = ["--model", args.model, "--size", args.size]
     if args.batch is not None:
@@ -211,7 +223,8 @@ def main(argv=None) -> int:
             return Ready((s, loss))
         return run
 
-    times = interleaved_times([chain_of(steps[m]) for m in modes], dp.state0, args.runs)
+    times = (interleaved_times([chain_of(steps[m]) for m in modes], dp.state0, args.runs) if args.runs
+             else [[float("nan")] for _ in modes])
     if args.profile:
         for m in modes:
             jax.block_until_ready(steps[m](dp.state0, batch))
@@ -219,25 +232,28 @@ def main(argv=None) -> int:
                 jax.block_until_ready(steps[m](dp.state0, batch))
     med = {m: statistics.median(ts) / args.chain * 1e3 for m, ts in zip(modes, times)}
     kind = f"{len(mesh.devices.flat)} x {jax.devices()[0].device_kind}"
+    timed = (f"step time MEASURED (median of {args.runs} rounds of {args.chain} steps in a row, modes taking "
+             f"turns)" if args.runs else "not timed (--runs 0)")
     print(f"{args.model} {args.size} (batch {cfg.batch} per device), {kind}, jax {jax.__version__}; "
-          f"{len(dp.layout.buckets)} buckets; step time MEASURED (median of {args.runs} rounds of "
-          f"{args.chain} steps in a row, modes taking turns); kernels COUNTED in the optimized HLO")
+          f"{len(dp.layout.buckets)} buckets; {timed}; kernels COUNTED in the optimized HLO")
     base = counts.get("none")
     for m in modes:
-        extra = "" if "none" not in med else f"  ({med[m] - med['none']:+.3f} ms over none)"
-        print(f"  {m:11s} {med[m]:9.3f} ms{extra}  kernels {sum(counts[m].values())}")
+        extra = "" if "none" not in med or not args.runs else f"  ({med[m] - med['none']:+.3f} ms over none)"
+        when = f"{med[m]:9.3f} ms{extra}" if args.runs else "not timed"
+        print(f"  {m:15s} {when}  kernels {sum(counts[m].values())}")
         if base is not None and m != "none":
             diff = {k: counts[m][k] - base[k] for k in set(counts[m]) | set(base)}
             top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
             if top:
-                print("              vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+                print("                  vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,
                                         "devices": kind, "jax": jax.__version__, "chain": args.chain,
-                                        "runs": args.runs, "step_ms": med,
+                                        "runs": args.runs, "step_ms": med if args.runs else None,
                                         "kernels": {m: dict(c) for m, c in counts.items()},
-                                        "times_s": {m: ts for m, ts in zip(modes, times)}}, indent=1))
+                                        "times_s": {m: ts for m, ts in zip(modes, times)} if args.runs else None},
+                                       indent=1))
     return 0
 
 

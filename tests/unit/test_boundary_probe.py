@@ -63,7 +63,8 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
 @pytest.mark.parametrize("argv, needle", [
     (["--modes", "flat,nope"], "--modes: unknown ['nope']"),
     (["--devices", "99"], "--devices 99"),
-    (["--runs", "0"], "--runs and --chain"),
+    (["--runs", "-1"], "--runs must be at least 0"),
+    (["--runs", "0", "--profile", "x"], "--profile traces the timed steps"),
 ])
 def test_bad_arguments_are_refused(argv, needle):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "boundary_probe.py"), *argv],

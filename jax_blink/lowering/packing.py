@@ -1,12 +1,13 @@
 """A bucket's leaves into the executor's flat operand and back (``config.bucket_packing``).
 
-``"xla"`` packs with XLA's concatenation and cuts the result with slices. ``"kernel"`` (GPUs) packs
+``"xla"`` (the default) packs with XLA's concatenation and cuts the result with slices, which XLA
+fuses into the gradients' producers and into the update that reads them. ``"kernel"`` (GPUs) packs
 with the ``jax_blink_pack`` custom call and unpacks with ``jax_blink_unpack``
-(``kernels/cuda/pack_ffi.cc``): one copy kernel each way. XLA must materialise every operand of a
-custom call, as it must any operand of a collective, but a concatenation is a fusion of its own
-that reads all the leaves of a bucket at once, and XLA then splits the backward pass's fusions
-around it (``benchmarks/boundary_probe.py``, ``benchmarks/NOTES.md``). CPU devices always take
-XLA's form: the fusions that this avoids are XLA:GPU's.
+(``kernels/cuda/pack_ffi.cc``): one copy kernel each way, no concatenation or slices in XLA's
+program. It was built to take XLA's packing out of the backward pass's fusions, and measured
+0.11-0.44 ms slower per step on 4 x H200: its copies cost more than they saved, and a call that
+holds a bucket's leaves splits ResNet-50's fusions as a concatenation does
+(``benchmarks/NOTES.md``, change 29). CPU devices always take XLA's form.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 // Many buffers copied in one launch: the bucket packing of jax_blink_pack and jax_blink_unpack
-// (cuda/pack.cu). A bucket's leaves go into one flat buffer for the all-reduce and back out of it;
-// doing that in one kernel, rather than in XLA's concatenation and slices, keeps the leaves out of
-// a fusion that must read them all, which splits XLA's fusions of the backward pass (NOTES, "The
-// bucket's boundary is its packing").
+// (cuda/pack.cu). A bucket's leaves go into one flat buffer for the all-reduce and back out of it,
+// one kernel each way instead of XLA's concatenation and slices (bucket_packing="kernel"; NOTES,
+// change 29).
 //
 // The table of (src, dst, bytes) triples travels by value as the kernel's parameter (under the 4 KB
 // every CUDA version takes), so a launch needs no device memory of its own and no host copy. Row

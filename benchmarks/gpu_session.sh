@@ -8,7 +8,8 @@
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
-# builds faster), TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_MODES and ST_BENCH_ARGS
+# builds faster), TESTS (pytest paths), BENCH_ARGS (python -m jax_blink.tools.bench), ST_ARGS
+# (the selftest step's arguments, e.g. "--filter twoshot"), ST_MODES and ST_BENCH_ARGS
 # (the self-test's kernel bench: modes auto|tree|ll|oneshot|hybrid, e.g. "--max 64M"); step
 # hybrid runs benchmarks/hybrid_sweep.sh (after selftest).
 # Issue 31, on 4 GPUs (the package built; each step bounded, about 9 minutes for the three; `multi`
@@ -95,7 +96,7 @@ g.ptx_architecture(), '| GPU 0:', g.device_problem(0) or 'the kernels load')" 2>
     selftest|stbench)
       log "$step"
       build_selftest
-      [ "$step" = selftest ] && { timeout 240 "$ST" 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40; }
+      [ "$step" = selftest ] && { timeout 240 "$ST" ${ST_ARGS:-} 2>&1 | tee "$OUT/selftest.log" | grep -v "^PASS" | tail -40; }
       for mode in ${ST_MODES:-auto}; do  # the kernel per size: auto, or forced tree / ll / oneshot
         timeout 120 "$ST" --bench --mode "$mode" ${ST_BENCH_ARGS:-} 2>&1 | tee "$OUT/selftest_bench-$mode.log" | tail -30
       done ;;

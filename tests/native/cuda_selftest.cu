@@ -461,15 +461,18 @@ bool RunCase(const Case& c) {
 
 // switch_alias (stream mode only): rank 0 runs every third call in place (in == out), so its
 // parent-side pull/push choice changes from call to call while its peers stay out of place.
+// `blocks`: the communicator's grid (0: chosen from the ranks per GPU). The two-shot kernel takes
+// one-hop stars only (a switch's program), so its runs get one star per rank.
 bool RunChained(const std::string& name, const std::vector<int>& devices, int64_t total, int calls, bool graph,
-                bool switch_alias = false, Mode mode = Mode::kTree, int host_engine = 0) {
+                bool switch_alias = false, Mode mode = Mode::kTree, int host_engine = 0, int blocks = 0) {
   if (!Wanted(name)) return true;
   const int n = static_cast<int>(devices.size());
   auto trees = SplitStars(n, total, 4);
-  if (n > 2) trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
+  if (n > 2 && mode != Mode::kTwoShot)
+    trees = {{0, 3, 0, total / 2, ChainParents(n, 0)}, {n - 1, 3, total / 2, total - total / 2, StarParents(n, n - 1)}};
   std::vector<int32_t> prog = MakeProgram(n, 4096, total, trees);
   cuda::Options opt;
-  opt.blocks = BlocksForEngine(devices, 0, host_engine);
+  opt.blocks = BlocksForEngine(devices, blocks, host_engine);
   opt.host_engine = host_engine;
   opt.min_piece_bytes = 1024;
   std::vector<cuda::Site*> sites;
@@ -1177,6 +1180,23 @@ int main(int argc, char** argv) {
       RunChained("1gpu 2r 999 chained calls s32 hybrid ce, rank 0 in place every 3rd", {0, 0}, 1 << 18, 999, false, true,
                  Mode::kHybrid, 1);
       RunSkipped("1gpu 2r hybrid ce: rank 1 skips a call -> time-out record", {0, 0}, 1, Mode::kHybrid, 1);
+      // The two-shot kernel on a small grid: JAX_BLINK_ASYNC_BLOCKS=8 faulted on 4 x H200 in a
+      // training step whose 25 MiB buckets run it (NOTES, change 29); these isolate the kernel.
+      RunChained("1gpu 4r 200 chained calls s32 twoshot 25 MiB, 8 blocks", {0, 0, 0, 0}, 25 << 18, 200, false, false,
+                 Mode::kTwoShot, 0, 8);
+      RunChained("1gpu 3r 200 chained calls s32 twoshot 25 MiB, 8 blocks, rank 0 in place every 3rd", {0, 0, 0},
+                 25 << 18, 200, false, true, Mode::kTwoShot, 0, 8);
+    }
+  }
+  if (ngpu >= 4 && !quick) {
+    for (int blocks : {24, 8}) {
+      const std::string g = std::to_string(blocks) + " blocks";
+      RunChained("4gpu 300 chained calls s32 twoshot 25 MiB, " + g, {0, 1, 2, 3}, 25 << 18, 300, false, false,
+                 Mode::kTwoShot, 0, blocks);
+      RunChained("4gpu 300 chained calls s32 twoshot 25 MiB, " + g + ", rank 0 in place every 3rd", {0, 1, 2, 3},
+                 25 << 18, 300, false, true, Mode::kTwoShot, 0, blocks);
+      RunChained("4gpu 300 chained calls s32 twoshot 17 MiB + 4 bytes (a tail), " + g, {0, 1, 2, 3}, (17 << 18) + 1, 300,
+                 false, false, Mode::kTwoShot, 0, blocks);
     }
   }
   if (ngpu >= 2) {

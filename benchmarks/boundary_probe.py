@@ -16,6 +16,9 @@ Modes (each is the step of ``none`` with something at the gradients' place):
 - ``leaves-grads``: as ``leaves``, the buckets' gradients only (BatchNorm's statistics, values of
   the forward pass that travel in the same buckets, left out); ``leaves-last`` only the last
   bucket held, ``leaves-but-last`` every bucket but the last: which groups split the fusions;
+- ``flat-then-tree``, ``leaves-then-tree``: ``flat`` or ``leaves``, then the whole tree behind one
+  more barrier before the update (as a step would tie every bucket's result together after its
+  last wait): whether the update's side of the boundary is what splits them;
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -43,7 +46,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
-         "leaves-grads", "leaves-last", "leaves-but-last")
+         "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree")
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -102,6 +105,8 @@ def boundary(mode: str, tree, layout):
         return tree
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    if mode.endswith("-then-tree"):
+        return lax.optimization_barrier(boundary(mode.removesuffix("-then-tree"), tree, layout))
     shape = mode.removeprefix("call-")
     hold = identity_call if mode.startswith("call-") else (lambda vs: list(lax.optimization_barrier(vs)))
     if shape == "flat":
@@ -240,12 +245,12 @@ def main(argv=None) -> int:
     for m in modes:
         extra = "" if "none" not in med or not args.runs else f"  ({med[m] - med['none']:+.3f} ms over none)"
         when = f"{med[m]:9.3f} ms{extra}" if args.runs else "not timed"
-        print(f"  {m:15s} {when}  kernels {sum(counts[m].values())}")
+        print(f"  {m:17s} {when}  kernels {sum(counts[m].values())}")
         if base is not None and m != "none":
             diff = {k: counts[m][k] - base[k] for k in set(counts[m]) | set(base)}
             top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
             if top:
-                print("                  vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+                print("                    vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,

@@ -5,7 +5,7 @@
 //   cmake -S . -B /tmp/jb-selftest -DJAX_BLINK_BUILD_SELFTEST=ON -DJAX_BLINK_CUDA=ON -DJAX_BLINK_CUDA_ARCHS=native
 //   cmake --build /tmp/jb-selftest --target cuda_selftest && /tmp/jb-selftest/cuda_selftest
 // or with nvcc alone (one line):
-//   nvcc -std=c++17 -O3 -arch=native -lineinfo -Ikernels -o /tmp/cuda_selftest tests/native/cuda_selftest.cu kernels/cuda/executor.cu
+//   nvcc -std=c++17 -O3 -arch=native -lineinfo -Ikernels -o /tmp/cuda_selftest tests/native/cuda_selftest.cu kernels/cuda/executor.cu kernels/cuda/pack.cu
 // benchmarks/gpu_session.sh builds it through CMake (steps selftest, stbench, sanitizer, hybrid).
 //
 // Modes:
@@ -42,6 +42,7 @@
 
 #include "common/program.h"
 #include "cuda/executor.h"
+#include "cuda/pack.h"
 
 using namespace jax_blink;
 using jax_blink::cuda::DType;
@@ -1141,6 +1142,55 @@ int Bench(int argc, char** argv, int ngpu) {
 
 }  // namespace
 
+// The bucket packing's copies (cuda/pack.cu, cuda/segments.cuh): segments of every alignment and
+// length class, more than one launch's table, into a destination poisoned everywhere; every
+// segment must arrive byte for byte, and no byte between or around them may change.
+bool RunCopySegments(const std::string& name) {
+  if (!Wanted(name)) return true;
+  std::vector<int64_t> lengths = {0, 1, 2, 3, 5, 7, 8, 15, 16, 17, 31, 32, 4099, (64 << 10) + 3, (2 << 20) + 5};
+  for (int i = 0; i < 150; ++i) lengths.push_back(11 + i % 5);  // past one table of kMaxSegments
+  std::mt19937 rng(11);
+  std::vector<int64_t> src_off, dst_off;
+  int64_t s_at = 0, d_at = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    s_at += i % 3;       // sources off 0, 1 or 2 bytes from where the last one ended
+    d_at += (i % 4) * 4;  // destinations off 0, 4, 8 or 12 bytes (the guard bytes between them)
+    src_off.push_back(s_at);
+    dst_off.push_back(d_at);
+    s_at += lengths[i];
+    d_at += lengths[i];
+  }
+  const int64_t src_bytes = s_at + 64, dst_bytes = d_at + 64;
+  std::vector<uint8_t> h_src(src_bytes), h_dst(dst_bytes);
+  for (auto& b : h_src) b = static_cast<uint8_t>(rng());
+  uint8_t *src = nullptr, *dst = nullptr;
+  CK(cudaSetDevice(0));
+  CK(cudaMalloc(&src, src_bytes));
+  CK(cudaMalloc(&dst, dst_bytes));
+  CK(cudaMemcpy(src, h_src.data(), src_bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemset(dst, 0xA5, dst_bytes));
+  std::vector<cuda::Segment> segs;
+  for (size_t i = 0; i < lengths.size(); ++i) segs.push_back({src + src_off[i], dst + dst_off[i], lengths[i]});
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  std::string err = cuda::CopySegments(segs, st);
+  CK(cudaStreamSynchronize(st));
+  CK(cudaStreamDestroy(st));
+  CK(cudaMemcpy(h_dst.data(), dst, dst_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  std::vector<uint8_t> want(dst_bytes, 0xA5);
+  for (size_t i = 0; i < lengths.size(); ++i)
+    std::memcpy(want.data() + dst_off[i], h_src.data() + src_off[i], lengths[i]);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < dst_bytes; ++i) wrong += h_dst[i] != want[i];
+  char d[160];
+  std::snprintf(d, sizeof d, "%zu segments, %lld bytes, %lld bytes wrong", lengths.size(),
+                static_cast<long long>(d_at), static_cast<long long>(wrong));
+  Report(err.empty() && wrong == 0, name, err.empty() ? d : err);
+  return err.empty() && wrong == 0;
+}
+
 int main(int argc, char** argv) {
   int ngpu = 0;
   CK(cudaGetDeviceCount(&ngpu));
@@ -1156,6 +1206,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# jax_blink CUDA executor self-test: %d x %s; %s\n", ngpu, prop.name, cuda::Version());
   if (!(quick && ngpu >= 2)) {
+    RunCopySegments("1gpu bucket packing: 165 copies of every alignment into poisoned memory");
     for (const Case& c : OneGpuCases(quick)) RunCase(c);
     if (!quick) {
       RunChained("1gpu 2r 1000 chained calls s32 (stream)", {0, 0}, 4099, 1000, false);

@@ -150,30 +150,10 @@ def kernels(hlo_text: str) -> collections.Counter:
 
 
 def make_steps(dp, modes):
-    """{mode: compiled step} for ``dp`` (a :class:`~jax_blink.tools.train.step.DataParallel`)."""
-    import optax
-    from flax import nnx
-    graphdef, loss_fn, tx, layout, axis = dp.graphdef, dp.loss_fn, dp.tx, dp.layout, dp.axis
-
-    def step_of(mode):
-        def local_step(state, batch):
-            params = state["params"]
-
-            def loss_of(p):
-                model = nnx.merge(graphdef, p, state["stats"], copy=True)
-                return loss_fn(model, batch), nnx.state(model, nnx.BatchStat)
-
-            (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-            out = boundary(mode, {"grads": grads, "stats": stats}, layout)
-            updates, opt = tx.update(out["grads"], state["opt"], params)
-            return ({"params": optax.apply_updates(params, updates), "stats": out["stats"], "opt": opt},
-                    loss.reshape(1))
-
-        fn = jax.jit(jax.shard_map(local_step, mesh=dp.mesh, in_specs=(P(), P(axis)),
-                                   out_specs=(P(), P(axis)), check_vma=False))
-        return fn.lower(dp.state0, dp.batches[0]).compile()
-
-    return {m: step_of(m) for m in modes}
+    """{mode: compiled step} for ``dp`` (a :class:`~jax_blink.tools.train.step.DataParallel`): its
+    step without all-reduce, with the gradients held as ``mode`` holds them."""
+    return {m: dp.step_fn("none", combine=lambda tree, m=m: boundary(m, tree, dp.layout))
+            .lower(dp.state0, dp.batches[0]).compile() for m in modes}
 
 
 def main(argv=None) -> int:

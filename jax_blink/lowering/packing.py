@@ -38,22 +38,23 @@ def _sliced(flat, shapes):
             for k, e, s in zip(sizes, np.cumsum(sizes), shapes)]
 
 
-def join(xs, platform: str):
-    """The arrays ``xs`` (one dtype) as one flat array, their elements one after another."""
+def join(xs, platform: str | None = None):
+    """The arrays ``xs`` (one dtype) as one flat array, their elements one after another.
+    ``platform``: the executor's platform, whose ``bucket_packing`` applies; None: XLA's form."""
     if len(xs) == 1:
         return xs[0].reshape(-1)
-    if not uses_kernel(platform):
+    if platform is None or not uses_kernel(platform):
         return _concatenated(xs)
     flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)
     return jax.ffi.ffi_call(TARGET_PACK, flat_type)(*xs)
 
 
-def split(flat, shapes, platform: str) -> list:
+def split(flat, shapes, platform: str | None = None) -> list:
     """The inverse of :func:`join`: ``flat`` cut into arrays of ``shapes``."""
     shapes = [tuple(s) for s in shapes]
     if len(shapes) == 1:
         return [flat.reshape(shapes[0])]
-    if not uses_kernel(platform):
+    if platform is None or not uses_kernel(platform):
         return _sliced(flat, shapes)
     types = jax.eval_shape(lambda f: _sliced(f, shapes), flat)
     return list(jax.ffi.ffi_call(TARGET_UNPACK, types)(flat))

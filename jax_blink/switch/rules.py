@@ -472,18 +472,6 @@ def _call(flat, plan: _Plan, position, collective: str, op: str = "sum"):
                                        sub=_ranks(plan, position))
 
 
-def _joined(xs):
-    """Operands as one flat array (a merged run's or an overlapped bucket's)."""
-    return jax.numpy.concatenate([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-
-
-def _split(flat, avals) -> list:
-    """The inverse of :func:`_joined`: ``flat`` cut back into arrays of ``avals``' shapes."""
-    sizes = [int(np.prod(a.shape, dtype=np.int64)) for a in avals]
-    return [lax.slice(flat, (int(e - k),), (int(e),)).reshape(a.shape)
-            for k, e, a in zip(sizes, np.cumsum(sizes), avals)]
-
-
 def _replaced_rule(name: str, platform: str):
     """The rule the switch replaced for primitive ``name`` on ``platform`` (jax's own, or its generic
     one): what a call that goes to XLA lowers with."""
@@ -610,7 +598,7 @@ def _overlap_start_rule(platform: str):
         if plan is None:
             with _lock:
                 _sites[bucket] = None
-            flat, = mlir.lower_fun(lambda *xs: _joined(xs), multiple_results=False)(
+            flat, = mlir.lower_fun(lambda *xs: _packing.join(xs), multiple_results=False)(
                 ctx.replace(primitive=None, avals_in=list(avals), avals_out=[flat_aval]), *operands)
             result, = replaced(ctx.replace(primitive=prim, avals_in=[flat_aval], avals_out=[result_aval]),
                                flat, **params)
@@ -662,9 +650,8 @@ def _overlap_done_rule(platform: str):
 
             def body(result, passed, token, site=site, avals=avals):
                 done = result if site is None else _async.done_call(passed, result, token, site)
-                if site is None:  # XLA's all-reduce of XLA's concatenation
-                    return [done, *_split(done, avals)]
-                return [done, *_packing.split(done, [a.shape for a in avals], site.platform)]
+                # XLA's all-reduce (no site) took XLA's concatenation
+                return [done, *_packing.split(done, [a.shape for a in avals], site and site.platform)]
 
             sub = ctx.replace(primitive=None, avals_in=[result_aval, passed_aval, token_aval],
                               avals_out=[result_aval, *avals])

@@ -186,9 +186,13 @@ class DataParallel:
     def param_count(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state0["params"]))
 
-    def step_fn(self, mode: str):
+    def step_fn(self, mode: str, combine: Callable | None = None):
         """The jitted data-parallel step ``(state, batch) -> (state, per-device losses)`` of
-        ``mode`` (not yet traced: see :func:`lowering_context`)."""
+        ``mode`` (not yet traced: see :func:`lowering_context`). ``combine`` (with ``mode="none"``
+        only): what the step does to ``{"grads", "stats"}`` instead of leaving them to the update
+        as they are (benchmarks/boundary_probe.py holds them in several shapes)."""
+        if combine is not None and mode != "none":
+            raise ValueError(f"combine= replaces the step's sum of the gradients only in mode 'none', not {mode!r}")
         reduce_bucket = reducer(mode, self.axis, self.stream if mode == "blink" else None)
         graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
                                                   self.axis, self.n)
@@ -219,9 +223,11 @@ class DataParallel:
                 summed = lax.psum({"grads": grads, "stats": stats}, axis)
             else:
                 (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)
-                # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
-                summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
-                                           ordered=mode == "blink")
+                if combine is not None:
+                    summed = combine({"grads": grads, "stats": stats})
+                else:  # jax_blink's calls go in bucket order (buckets.bucketed); XLA orders its own.
+                    summed = _buckets.bucketed({"grads": grads, "stats": stats}, reduce_bucket, layout,
+                                               ordered=mode == "blink")
             grads, stats = jax.tree.map(lambda v: v / n, (summed["grads"], summed["stats"]))
             updates, opt = tx.update(grads, state["opt"], params)
             return ({"params": optax.apply_updates(params, updates), "stats": stats, "opt": opt},

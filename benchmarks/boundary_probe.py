@@ -158,13 +158,13 @@ def make_steps(dp, modes):
 
 def main(argv=None) -> int:
     from jax_blink.tools.timing import Ready, interleaved_times
-    from jax_blink.tools.train.__main__ import model_config, parser as train_parser
+    from jax_blink.tools.train.__main__ import UsageError, model_config, parser as train_parser
     from jax_blink.tools.train.step import DataParallel
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("resnet", "gpt2"), default="resnet")
-    p.add_argument("--size", default="tiny")
+    p.add_argument("--size", default="tiny", choices=("tiny", "small", "full", "medium"))
     p.add_argument("--batch", type=int, default=None, help="per device (default: the size's)")
     p.add_argument("--modes", default=",".join(MODES[:5]), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--runs", type=int, default=10, help="timed rounds; 0: compile and count kernels only")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     if bad or not modes:
         p.error(f"--modes: unknown {bad or 'empty'}; choose from {', '.join(MODES)}")
     if args.devices < 1 or args.devices > len(jax.devices()):
-        p.error(f"--devices {args.devices}: this process has {len(jax.devices())} device(s)")
+        p.error(f"--devices {args.devices}: give 1 to {len(jax.devices())} (the devices of this process)")
     if args.runs < 0 or args.chain < 1:
         p.error("--runs must be at least 0 and --chain at least 1")
     if args.runs == 0 and args.profile:
@@ -189,7 +189,10 @@ def main(argv=None) -> int:
     train_argv = ["--model", args.model, "--size", args.size]
     if args.batch is not None:
         train_argv += ["--batch", str(args.batch)]
-    cfg = model_config(train_parser().parse_args(train_argv))
+    try:  # the train tool's own checks of the model's shape
+        cfg = model_config(train_parser().parse_args(train_argv))
+    except UsageError as e:
+        p.error(str(e).split(" (see ")[0])
     mesh = jax.make_mesh((args.devices,), ("data",), devices=jax.devices()[:args.devices])
     dp = DataParallel(args.model, cfg, mesh)
     steps = make_steps(dp, modes)

@@ -62,7 +62,9 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
 
 @pytest.mark.parametrize("argv, needle", [
     (["--modes", "flat,nope"], "--modes: unknown ['nope']"),
-    (["--devices", "99"], "--devices 99"),
+    (["--devices", "99"], "--devices 99: give 1 to"),
+    (["--size", "huge"], "argument --size: invalid choice: 'huge'"),
+    (["--batch", "0"], "--batch must be >= 1"),
     (["--runs", "-1"], "--runs must be at least 0"),
     (["--runs", "0", "--profile", "x"], "--profile traces the timed steps"),
 ])

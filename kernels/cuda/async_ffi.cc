@@ -180,14 +180,6 @@ std::string SiteOf(cudaStream_t stream, int32_t device, int64_t comm_id, ffi::Bu
   if (e != cudaSuccess) return CudaErr("reading rank and group", e);
   jbc::Options opt;
   if (std::string err = AsyncBlocks(&opt.blocks); !err.empty()) return err;
-  // A grid below the default on 3+ ranks: JAX_BLINK_ASYNC_BLOCKS=8 on 4 x H200 ended in an illegal
-  // address on every GPU, twice, not yet explained (NOTES, change 29): refused before any launch.
-  const int32_t nranks = program.size() > 1 ? program[1] : 0;
-  if (!full_grid && nranks >= 3 && opt.blocks < kDefaultAsyncBlocks)
-    return "JAX_BLINK_ASYNC_BLOCKS=" + std::to_string(opt.blocks) + " on " + std::to_string(nranks) +
-           " ranks: a grid below " + std::to_string(kDefaultAsyncBlocks) +
-           " blocks faulted on 4 GPUs and is refused until that is explained; unset JAX_BLINK_ASYNC_BLOCKS or "
-           "give it " + std::to_string(kDefaultAsyncBlocks) + " or more";
   opt.lane = 1;
   if (full_grid) {  // the last bucket: nothing left to overlap, so the executor's whole grid
     opt.blocks = 0;

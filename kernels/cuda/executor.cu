@@ -1075,6 +1075,10 @@ std::string MakeSiteBlocks(const std::vector<int>& devices, const Program& prog,
                            const std::vector<int64_t>& seg_off, std::vector<uint8_t*>* mem) {
   const int n = static_cast<int>(devices.size());
   mem->assign(n, nullptr);
+  // RankPlan copies the units into the layout's room for base.nunits of them.
+  if (units.size() > static_cast<size_t>(std::max(base.nunits, 1)))
+    return "jax_blink CUDA executor: internal error: " + std::to_string(units.size()) + " units for room of " +
+           std::to_string(base.nunits);
   for (int r = 0; r < n; ++r) {
     cudaError_t e = cudaSetDevice(devices[r]);
     if (e == cudaSuccess) e = cudaMalloc(&(*mem)[r], layout.bytes);
@@ -1193,8 +1197,12 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     return err;
   }
 
+  // The two-shot kernel's plan carries no units: its flags took their place in the layout, which
+  // has room for 2 per piece, fewer than the trees' units on a small grid (8 blocks on 4 GPUs).
+  const std::vector<Unit> plan_units = mode == Mode::kTwoShot ? std::vector<Unit>{} : units;
   std::vector<uint8_t*> mem;
-  if (std::string err = MakeSiteBlocks(devices, prog, base, layout, units, gaps, seg_off, &mem); !err.empty()) return err;
+  if (std::string err = MakeSiteBlocks(devices, prog, base, layout, plan_units, gaps, seg_off, &mem); !err.empty())
+    return err;
   sites->assign(n, nullptr);
   for (int r = 0; r < n; ++r) {
     std::unique_ptr<Site> s = NewRankSite(comm, prog, r, devices[r], esize, mode, host.ce, base, layout, mem[r]);
@@ -1703,7 +1711,7 @@ std::string KernelImageProblem(int device) {
 }
 
 const char* Version() {
-  return "jax_blink CUDA executor 0.4.4 (program format v1; one-shot all-reduce through a staging inbox "
+  return "jax_blink CUDA executor 0.4.5 (program format v1; one-shot all-reduce through a staging inbox "
          "(LL lines / flagged chunks) up to a size limit, and LL reduce-scatter and all-gather of small blocks; "
          "two-shot all-reduce on 3+ GPUs from 16 MiB; trees elsewhere: push where the tree allows, "
          "in-place reads elsewhere; large 2-GPU all-reduces send a share through pinned host memory beside NVLink; "

@@ -24,60 +24,58 @@ namespace ffi = xla::ffi;
 namespace jax_blink::cuda_pack {
 namespace {
 
-// The segments between `flat` and the buffers of `parts` (pack: parts -> flat, else flat -> parts).
-template <class Parts>
-ffi::Error Segments(const char* what, ffi::DataType dt, void* flat, size_t flat_bytes, size_t count, Parts part,
-                    bool pack, std::vector<jax_blink::cuda::Segment>* out) {
-  size_t offset = 0;
-  for (size_t i = 0; i < count; ++i) {
-    auto [data, type, bytes, ok] = part(i);
-    if (!ok) return ffi::Error::InvalidArgument(std::string(what) + ": operand or result " + std::to_string(i) + " is not a buffer");
-    if (type != dt)
-      return ffi::Error::InvalidArgument(std::string(what) + ": every operand and result must have one dtype");
-    if (offset + bytes > flat_bytes) break;
-    char* at = static_cast<char*>(flat) + offset;
-    out->push_back(pack ? jax_blink::cuda::Segment{data, at, static_cast<int64_t>(bytes)}
-                        : jax_blink::cuda::Segment{at, const_cast<void*>(data), static_cast<int64_t>(bytes)});
-    offset += bytes;
-  }
-  if (offset != flat_bytes)
-    return ffi::Error::InvalidArgument(std::string(what) + ": the parts' lengths do not add up to the flat buffer's (" +
-                                       std::to_string(offset) + " bytes counted, " + std::to_string(flat_bytes) + " flat)");
-  return ffi::Error::Success();
+// One operand or result of a handler: where its bytes are, its dtype and length.
+struct Part {
+  void* data;
+  ffi::DataType type;
+  size_t bytes;
+};
+
+ffi::Error NotABuffer(const char* what, size_t i) {
+  return ffi::Error::InvalidArgument(std::string(what) + ": operand or result " + std::to_string(i) + " is not a buffer");
 }
 
-ffi::Error Run(const std::vector<jax_blink::cuda::Segment>& segments, cudaStream_t stream) {
+// Copies between `flat` and `parts` in one kernel (pack: parts -> flat, else flat -> parts), once
+// every part has flat's dtype and their lengths add up to flat's.
+ffi::Error Copy(const char* what, ffi::AnyBuffer flat, const std::vector<Part>& parts, bool pack, cudaStream_t stream) {
+  std::vector<jax_blink::cuda::Segment> segments;
+  size_t offset = 0;
+  for (const Part& p : parts) {
+    if (p.type != flat.element_type())
+      return ffi::Error::InvalidArgument(std::string(what) + ": every operand and result must have one dtype");
+    if (offset + p.bytes <= flat.size_bytes()) {
+      char* at = static_cast<char*>(flat.untyped_data()) + offset;
+      segments.push_back(pack ? jax_blink::cuda::Segment{p.data, at, static_cast<int64_t>(p.bytes)}
+                              : jax_blink::cuda::Segment{at, p.data, static_cast<int64_t>(p.bytes)});
+    }
+    offset += p.bytes;
+  }
+  if (offset != flat.size_bytes())
+    return ffi::Error::InvalidArgument(std::string(what) + ": the parts' lengths do not add up to the flat buffer's (" +
+                                       std::to_string(offset) + " bytes counted, " +
+                                       std::to_string(flat.size_bytes()) + " flat)");
   std::string err = jax_blink::cuda::CopySegments(segments, stream);
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
 }
 
 ffi::Error Pack(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> flat) {
-  std::vector<jax_blink::cuda::Segment> segments;
-  auto part = [&](size_t i) {
+  std::vector<Part> parts;
+  for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return std::tuple<const void*, ffi::DataType, size_t, bool>{nullptr, flat->element_type(), 0, false};
-    return std::tuple<const void*, ffi::DataType, size_t, bool>{b->untyped_data(), b->element_type(), b->size_bytes(), true};
-  };
-  if (ffi::Error e = Segments("jax_blink_pack", flat->element_type(), flat->untyped_data(), flat->size_bytes(),
-                              args.size(), part, true, &segments);
-      e.failure())
-    return e;
-  return Run(segments, stream);
+    if (!b.has_value()) return NotABuffer("jax_blink_pack", i);
+    parts.push_back({b->untyped_data(), b->element_type(), b->size_bytes()});
+  }
+  return Copy("jax_blink_pack", *flat, parts, true, stream);
 }
 
 ffi::Error Unpack(cudaStream_t stream, ffi::AnyBuffer flat, ffi::RemainingRets rets) {
-  std::vector<jax_blink::cuda::Segment> segments;
-  auto part = [&](size_t i) {
+  std::vector<Part> parts;
+  for (size_t i = 0; i < rets.size(); ++i) {
     auto b = rets.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) return std::tuple<const void*, ffi::DataType, size_t, bool>{nullptr, flat.element_type(), 0, false};
-    return std::tuple<const void*, ffi::DataType, size_t, bool>{(*b)->untyped_data(), (*b)->element_type(),
-                                                                (*b)->size_bytes(), true};
-  };
-  if (ffi::Error e = Segments("jax_blink_unpack", flat.element_type(), flat.untyped_data(), flat.size_bytes(),
-                              rets.size(), part, false, &segments);
-      e.failure())
-    return e;
-  return Run(segments, stream);
+    if (!b.has_value()) return NotABuffer("jax_blink_unpack", i);
+    parts.push_back({(*b)->untyped_data(), (*b)->element_type(), (*b)->size_bytes()});
+  }
+  return Copy("jax_blink_unpack", flat, parts, false, stream);
 }
 
 }  // namespace

@@ -13,8 +13,7 @@ SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "swit
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
-                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {},
-                  "switch-kpack": {"bucket_packing": "kernel"}, "switch-tree-kpack": {"bucket_packing": "kernel"}}
+                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}}
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
@@ -24,14 +23,26 @@ SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8bloc
 #: a user writes it; XLA combines them into variadic all-reduces), not the DDP buckets' flat buffers;
 #: ``switch-tree`` is that step under the switch (which merges the leaves' psums into calls of at
 #: most the bucket cap itself).
-TREE_MODES = ("psum-tree", "switch-tree", "switch-tree-kpack")
+TREE_MODES = ["psum-tree", "switch-tree"]
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
-OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-kpack": "recent"}
-#: Modes that are another mode with the executor's buckets packed by its copy kernel
-#: (``bucket_packing="kernel"``, jax_blink/lowering/packing.py), timed when asked for.
-KERNEL_PACKING = {"switch-kpack": "switch", "switch-tree-kpack": "switch-tree", "overlap-kpack": "overlap"}
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 #: jax_blink options that a mode outside the switch lowers under.
-MODE_OPTIONS = {"overlap-kpack": {"bucket_packing": "kernel"}}
+MODE_OPTIONS: dict[str, dict] = {}
+#: Modes that are another mode with the executor's buckets packed by its copy kernel
+#: (``bucket_packing="kernel"``, jax_blink/lowering/packing.py), timed when asked for. Each takes
+#: its base mode's entries in the tables above, with that option added.
+KERNEL_PACKING = {"switch-kpack": "switch", "switch-tree-kpack": "switch-tree", "overlap-kpack": "overlap"}
+for _mode, _base in KERNEL_PACKING.items():
+    if _base in SWITCH_OVERLAP:
+        SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "bucket_packing": "kernel"}
+    else:
+        MODE_OPTIONS[_mode] = {**MODE_OPTIONS.get(_base, {}), "bucket_packing": "kernel"}
+    if _base in OVERLAP_HOLD:
+        OVERLAP_HOLD[_mode] = OVERLAP_HOLD[_base]
+    if _base in TREE_MODES:
+        TREE_MODES.append(_mode)
+TREE_MODES = tuple(TREE_MODES)
+del _mode, _base
 #: Every mode and what the tool's table calls it.
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",

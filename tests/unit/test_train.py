@@ -340,6 +340,9 @@ def test_timed_modes_default_and_asked():
         "psum", "psum-tree", "switch-tree", "none", "none-barrier"]
     assert cli.timed_modes("blink", "blink", "gpt2", asked=["psum-tree"]) == ["psum", "psum-tree", "none",
                                                                              "none-barrier"]
+    # A site variant of the tree's psum is both a site variant and a tree mode: timed once.
+    assert cli.timed_modes("switch", "blink", "gpt2", asked=["switch-tree", "switch-tree-8blocks", "switch-tree-sync"]) == [
+        "psum", "switch-tree-8blocks", "switch-tree", "switch-tree-sync", "none", "none-barrier"]
     with pytest.raises(cli.UsageError, match="does not time switch-tree"):
         cli.timed_modes("blink", "blink", "gpt2", asked=["switch-tree"])
     with pytest.raises(cli.UsageError, match="does not time switch-auto"):

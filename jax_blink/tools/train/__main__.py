@@ -103,6 +103,7 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
                                                              "switch-kpack", *TREE_MODES, *BASELINES]
+        modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
         return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in KERNEL_PACKING]
     wrong = [m for m in asked if m not in modes]

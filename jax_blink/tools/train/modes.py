@@ -13,17 +13,20 @@ SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "swit
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
-                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}}
+                  "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}, "switch-tree-twoshot": {},
+                  "switch-tree-8blocks": {}, "switch-tree-sync": {"switch_overlap": False}}
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
 #: change nothing.
-SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8blocks": {"JAX_BLINK_ASYNC_BLOCKS": "8"}}
+SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8blocks": {"JAX_BLINK_ASYNC_BLOCKS": "8"},
+                    "switch-tree-twoshot": {"JAX_BLINK_TWOSHOT_MIN_BYTES": "1M"},
+                    "switch-tree-8blocks": {"JAX_BLINK_ASYNC_BLOCKS": "8"}}
 #: Modes whose step sums the gradients as one ``lax.psum`` of the whole tree (a psum per leaf, as
 #: a user writes it; XLA combines them into variadic all-reduces), not the DDP buckets' flat buffers;
 #: ``switch-tree`` is that step under the switch (which merges the leaves' psums into calls of at
 #: most the bucket cap itself).
-TREE_MODES = ["psum-tree", "switch-tree"]
+TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8blocks", "switch-tree-sync"]
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 #: jax_blink options that a mode outside the switch lowers under.
@@ -50,7 +53,9 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "switch-late": "psum under the switch, late last wait",
           "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
           "switch-sync": "psum under the switch, switch_overlap=False",
-          **{m: f"psum under the switch, {' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
+          "switch-tree-sync": "psum of the tree under the switch, switch_overlap=False",
+          **{m: f"psum{' of the tree' if m in TREE_MODES else ''} under the switch, "
+                f"{' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
              for m, env in SITE_ENVIRONMENT.items()},
           "psum-tree": "psum of the gradient tree (no buckets)", "switch-tree": "psum of the tree under the switch",
           "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}

@@ -151,6 +151,50 @@ def describe(summary: dict) -> str:
             f"(sum over {n} GPU(s)){tail}")
 
 
+def kernel_kind(name: str) -> str:
+    """A kernel's name without the numbers XLA appends to tell its fusions apart
+    (``loop_add_fusion_12`` and ``loop_add_fusion.3`` are both ``loop_add_fusion``), so that the
+    kernels of two programs compare by kind."""
+    return re.sub(r"(?:[._]\d+)+$", "", name)
+
+
+def kernel_table(trace: dict, device: str | None = None) -> dict[str, tuple[int, float]]:
+    """GPU kernel time by kind on one GPU: ``{kind: (count, total_us)}`` (:func:`kernel_kind`).
+
+    Args:
+        trace: A loaded trace (:func:`load`).
+        device: The GPU's process name (``/device:GPU:0``); default, the first GPU by name (every
+            process where the trace names no GPU).
+    """
+    names = process_names(trace)
+    gpus = sorted(n for n in names.values() if "/device:GPU" in n)
+    want = device if device is not None else (gpus[0] if gpus else None)
+    table: dict[str, list] = {}
+    for pid, name, (a, b), _ in gpu_spans(trace, names):
+        if want is not None and names.get(pid) != want:
+            continue
+        row = table.setdefault(kernel_kind(name), [0, 0.0])
+        row[0] += 1
+        row[1] += b - a
+    return {k: (n, us) for k, (n, us) in table.items()}
+
+
+def compare_tables(table: dict[str, tuple[int, float]], base: dict[str, tuple[int, float]], top: int = 25) -> str:
+    """The kernel kinds whose time differs most between two tables (:func:`kernel_table`), one line
+    each: time and count in ``table``, the change against ``base``; the totals first."""
+    total = sum(us for _, us in table.values())
+    total_base = sum(us for _, us in base.values())
+    lines = [f"time by kind, measured: {total / 1e3:.3f} ms in all ({total_base / 1e3:.3f} ms in the base, "
+             f"{(total - total_base) / 1e3:+.3f} ms); the {top} kinds that changed most:"]
+    kinds = set(table) | set(base)
+    delta = {k: table.get(k, (0, 0.0))[1] - base.get(k, (0, 0.0))[1] for k in kinds}
+    for k in sorted(kinds, key=lambda k: -abs(delta[k]))[:top]:
+        n, us = table.get(k, (0, 0.0))
+        n0, _ = base.get(k, (0, 0.0))
+        lines.append(f"  {delta[k] / 1e3:+9.3f} ms  {us / 1e3:9.3f} ms in {n:5d} kernel(s) ({n - n0:+d})  {k[:100]}")
+    return "\n".join(lines)
+
+
 def timeline_png(trace: dict, path, ours=OUR_KERNELS, title: str = "") -> None:
     """A picture of the trace's GPU kernels (one row per GPU: compute in grey, ours in red above it)."""
     import matplotlib

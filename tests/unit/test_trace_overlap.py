@@ -104,3 +104,25 @@ def test_the_copy_engine_form_counts_as_ours():
     d = s["devices"]["0"]
     assert d["ours_us"] == pytest.approx(50) and d["beside_us"] == pytest.approx(40)
     assert d["compute_us"] == pytest.approx(100) and d["our_kernels"] == 2
+
+
+def test_kernel_table_by_kind_and_the_comparison():
+    """Kernels group by their name less XLA's numbers, on the first GPU only; the comparison puts the
+    kinds that changed most first, with their counts."""
+    def x(pid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur}
+    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+            for p, n in ((1, "/device:GPU:0"), (2, "/device:GPU:1"), (3, "/host:CPU"))]
+    base = {"traceEvents": meta + [x(1, "loop_add_fusion_1", 0, 10), x(1, "gemm", 10, 100), x(2, "gemm", 0, 999),
+                                   x(3, "gemm", 0, 999)]}
+    slow = {"traceEvents": meta + [x(1, "loop_add_fusion_1", 0, 10), x(1, "loop_add_fusion.7", 10, 30),
+                                   x(1, "gemm", 40, 100), x(1, "gemm", 140, 5), x(1, "input_reduce_fusion", 145, 1)]}
+    assert trace_overlap.kernel_kind("input_add_reduce_fusion.3.1") == "input_add_reduce_fusion"
+    assert trace_overlap.kernel_table(base) == {"loop_add_fusion": (1, 10.0), "gemm": (1, 100.0)}
+    assert trace_overlap.kernel_table(base, "/device:GPU:1") == {"gemm": (1, 999.0)}
+    text = trace_overlap.compare_tables(trace_overlap.kernel_table(slow), trace_overlap.kernel_table(base), top=2)
+    lines = text.splitlines()
+    assert "0.146 ms in all (0.110 ms in the base, +0.036 ms)" in lines[0]
+    assert lines[1].split()[:2] == ["+0.030", "ms"] and lines[1].endswith("(+1)  loop_add_fusion")
+    assert lines[2].split()[:2] == ["+0.005", "ms"] and lines[2].endswith("(+1)  gemm")
+    assert len(lines) == 3

@@ -252,7 +252,7 @@ def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
     import jax
     from jax_blink.tools import trace_overlap
     batch = dp.batches[0]
-    found = {}
+    found, tables = {}, {}
     for m in modes:
         step = dp.callable(m)
         jax.block_until_ready(step(state, batch))
@@ -263,9 +263,22 @@ def profile_modes(dp, modes: Sequence[str], state, folder: Path, say) -> dict:
         if not traces:
             say(f"  profile {m}: no trace file under {where}")
             continue
-        summary = trace_overlap.summarize(trace_overlap.load(traces[-1]))
+        trace = trace_overlap.load(traces[-1])
+        summary = trace_overlap.summarize(trace)
         found[m] = {"trace": str(traces[-1]), **summary}
+        tables[m] = trace_overlap.kernel_table(trace)
         say(f"  profile {m} (measured, one step, {traces[-1].name}): {trace_overlap.describe(summary)}")
+    # Which kernels a mode runs longer than the step without all-reduce: small text files that
+    # tell the same kernels slowed from other fusions, where the traces are too large to keep.
+    if "none" in tables:
+        for m, table in tables.items():
+            if m != "none":
+                path = folder / f"kernels-{m}-vs-none.txt"
+                path.write_text(f"{m} against none, one profiled step each: the first GPU's kernels "
+                                "(every event where the trace names no GPU)\n"
+                                + trace_overlap.compare_tables(table, tables["none"]) + "\n")
+                found[m]["kernels_vs_none"] = str(path)
+        say(f"  kernel time by kind against the step without all-reduce: {folder}/kernels-<mode>-vs-none.txt")
     return found
 
 

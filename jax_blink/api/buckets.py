@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_blink.lowering import jaxpr_steps
@@ -81,10 +80,7 @@ class Bucket:
         a mapping needs only this bucket's leaves). ``platform``: the platform that jax_blink's
         executor sums it on, whose ``config.bucket_packing`` applies
         (:mod:`jax_blink.lowering.packing`); None: XLA's concatenation."""
-        if platform is not None:
-            return _packing.join([leaves[s.leaf] for s in self.slots], platform)
-        flat = [jnp.ravel(leaves[s.leaf]) for s in self.slots]
-        return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        return _packing.join([leaves[s.leaf] for s in self.slots], platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,12 +191,8 @@ class BucketLayout:
             raise ValueError(f"expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves: list = [None] * self.treedef.num_leaves
         for b, buf in zip(self.buckets, buffers):
-            if platform is not None:
-                for s, v in zip(b.slots, _packing.split(buf, [s.shape for s in b.slots], platform)):
-                    leaves[s.leaf] = v
-                continue
-            for s in b.slots:
-                leaves[s.leaf] = buf[s.offset:s.offset + s.size].reshape(s.shape)
+            for s, v in zip(b.slots, _packing.split(buf, [s.shape for s in b.slots], platform)):
+                leaves[s.leaf] = v
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _leaves(self, tree) -> list:

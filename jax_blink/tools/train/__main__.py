@@ -168,7 +168,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated modes to time, of those --collective times (psum, none and "
                         "none-barrier are always timed: the ratios and the exposed time need them); with --collective switch "
                         "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
-                        "8 blocks, on GPUs) and switch-tree; with any, psum-tree (the gradients summed by one "
+                        "8 blocks, on GPUs), switch-tree and its variants switch-tree-8blocks, switch-tree-twoshot "
+                        "(the two-shot kernel from 1 MiB) and switch-tree-sync (not overlapped), and the "
+                        "*-kpack modes (buckets packed by the copy kernel); with any, psum-tree (the gradients summed by one "
                         "lax.psum of the tree, no buckets, as a user writes it); default: every mode of "
                         "--collective but these variants")
     p.add_argument("--quick-compile", action="store_true",
@@ -176,7 +178,9 @@ def parser() -> argparse.ArgumentParser:
                         "steps: for tests, not for timings)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one step of each timed mode with jax.profiler into DIR and report the overlap "
-                        "figure (share of jax_blink kernel time beside compute kernels; GPU traces)")
+                        "figure (share of jax_blink kernel time beside compute kernels; GPU traces), and "
+                        "write DIR/kernels-<mode>-vs-none.txt: each mode's kernel time by kind on the "
+                        "first GPU against the step without all-reduce")
     p.add_argument("--explain", action="store_true", help="print jax_blink.explain of each bucket's all-reduce")
     p.add_argument("--out", default=None, metavar="DIR", type=lambda t: output_folder("--out", t),
                    help=f"folder for the results: an existing folder, or a new one in an existing folder "

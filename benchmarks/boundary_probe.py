@@ -16,6 +16,9 @@ Modes (each is the step of ``none`` with something at the gradients' place):
 - ``leaves-grads``: as ``leaves``, the buckets' gradients only (BatchNorm's statistics, values of
   the forward pass that travel in the same buckets, left out); ``leaves-last`` only the last
   bucket held, ``leaves-but-last`` every bucket but the last: which groups split the fusions;
+  ``leaves-last-K`` (K of 2, 4, 16, 40) the last bucket only, cut into K groups of consecutive
+  leaves, one barrier each: how small a group still splits them (one leaf per barrier, ``leaf``,
+  does not);
 - ``flat-then-tree``, ``leaves-then-tree``: ``flat`` or ``leaves``, then the whole tree behind one
   more barrier before the update (as a step would tie every bucket's result together after its
   last wait): whether the update's side of the boundary is what splits them;
@@ -45,8 +48,11 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+#: The last bucket cut into this many groups of consecutive leaves (``leaves-last-K``).
+LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
-         "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree")
+         "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
+         *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS))
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -118,16 +124,23 @@ def boundary(mode: str, tree, layout):
         leaves = [hold([v])[0] for v in leaves]
     else:  # leaves: one per bucket (or some buckets, or their gradients only)
         last = len(layout.buckets) - 1
+        cuts = int(shape.rsplit("-", 1)[1]) if shape.startswith("leaves-last-") else 1
         for b, bucket in enumerate(layout.buckets):
-            if (shape == "leaves-last" and b != last) or (shape == "leaves-but-last" and b == last):
+            if (shape.startswith("leaves-last") and b != last) or (shape == "leaves-but-last" and b == last):
                 continue
             slots = [s for s in bucket.slots if shape != "leaves-grads" or s.path.startswith("['grads']")]
-            if not slots:
-                continue
-            held = hold([leaves[s.leaf] for s in slots])
-            for s, v in zip(slots, held):
-                leaves[s.leaf] = v
+            for group in _cut(slots, cuts):
+                held = hold([leaves[s.leaf] for s in group])
+                for s, v in zip(group, held):
+                    leaves[s.leaf] = v
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _cut(items: list, k: int) -> list[list]:
+    """``items`` in at most ``k`` groups of consecutive items, as even as can be; no empty group."""
+    k = max(1, min(k, len(items)))
+    bounds = [len(items) * i // k for i in range(k + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def kernels(hlo_text: str) -> collections.Counter:

@@ -72,3 +72,12 @@ def test_bad_arguments_are_refused(argv, needle):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "boundary_probe.py"), *argv],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("n,k,sizes", [(81, 2, [40, 41]), (81, 40, [2] * 39 + [3]), (3, 16, [1, 1, 1]),
+                                       (5, 1, [5]), (0, 4, [])])
+def test_the_last_bucket_cut_into_groups(n, k, sizes):
+    """leaves-last-K: at most K groups of consecutive leaves, in order, none empty, every leaf once."""
+    groups = probe._cut(list(range(n)), k)
+    assert [len(g) for g in groups] == sizes
+    assert [x for g in groups for x in g] == list(range(n))

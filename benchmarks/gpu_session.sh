@@ -29,7 +29,8 @@
 # peers at once; copies with pinned host memory, 1 to n GPUs at once and beside the peer pushes;
 # LINKPROBE_ENGINES picks, default ce,sm,tma,host; mix: copy engines and a kernel's stores at once; needs CuPy, no build).
 # Issues 28 and 29 (the package built): train runs GPT-2 small and ResNet-50 with the four modes
-# taking turns (psum, synchronous, overlapped, none) and keeps the profiled steps (about 3 minutes
+# taking turns (psum, synchronous, overlapped, none) and keeps each mode's kernel table against the
+# step without all-reduce (the traces too with TRAIN_KEEP_TRACES=1) (about 3 minutes
 # on 4 x H200; TRAIN_ASYNC_ENGINE=ce runs the overlapped mode on copy engines; TRAIN_DISPATCH=auto
 # times the modes as users get them (buckets psum was measured faster for go to psum); TRAIN_COLLECTIVE=switch
 # times the unedited psum step under the switch, overlapped and not, instead; TRAIN_MODES="switch,psum-tree,switch-tree"
@@ -185,10 +186,15 @@ PY
           --dispatch "${TRAIN_DISPATCH:-blink}" --steps 2 --timing-runs 10 --out "$OUT/train" --profile "/tmp/prof-$1" \
           ${TRAIN_MODES:+--modes "$TRAIN_MODES"} $([ "$1" = resnet ] && echo "${TRAIN_RESNET_ARGS:-}") > "$OUT/train-$1.log" 2>&1
         echo "train $1 rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/train-$1.log" | tail -14
-        for m in psum none none-barrier blink overlap switch switch-auto switch-sparse switch-late switch-sync psum-tree switch-tree; do
-          t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
-          [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
-        done
+        # The kernel tables always come back; the traces (15-35 MB a step) only with TRAIN_KEEP_TRACES=1:
+        # more than a few of them make what $OUT returns too large, and then nothing comes back.
+        for k in /tmp/prof-$1/kernels-*-vs-none.txt; do [ -f "$k" ] && cp "$k" "$OUT/train/$1-$(basename "$k")"; done
+        if [ "${TRAIN_KEEP_TRACES:-0}" = 1 ]; then
+          for m in psum none none-barrier blink overlap switch switch-auto switch-sparse switch-late switch-sync psum-tree switch-tree; do
+            t=$(find "/tmp/prof-$1/$m" -name "*.trace.json.gz" 2>/dev/null | head -1)
+            [ -n "$t" ] && cp "$t" "$OUT/train/$1-$m-step.trace.json.gz"
+          done
+        fi
       done
       # TRAIN_ASYNC_BLOCKS="8 12": GPT-2 again with the overlapped kernels' grid at each size (the
       # default 24 blocks slowed the compute beside them by about as much as they hid, NOTES change 14)

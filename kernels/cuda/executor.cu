@@ -1165,13 +1165,15 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
   std::vector<int64_t> seg_off, seg_len;
   SegmentsBeforeHostSlice(prog, nv_total, align, &seg_off, &seg_len);
   const int Gu = G - host.blocks;  // blocks that play the trees' units
-  const std::vector<Unit> units = SplitIntoUnits(prog, seg_off, seg_len, Gu, esize, opt);
+  Params base{};
+  // The two-shot kernel keeps no units: its flags take the units' place, 2 per piece, so its site
+  // cuts none (their room in the layout is the flags', fewer than the trees' units on a small grid).
+  const int64_t ts_pieces = host.elems > 0 ? 0 : ChooseTwoShot(prog, allreduce, esize, G, &base);
+  const std::vector<Unit> units =
+      ts_pieces > 0 ? std::vector<Unit>{} : SplitIntoUnits(prog, seg_off, seg_len, Gu, esize, opt);
   const int U = static_cast<int>(units.size());
   const std::vector<int64_t> gaps = GapsOutsideSegments(prog, seg_off, seg_len, nv_total);
 
-  Params base{};
-  // The two-shot kernel keeps no units: its flags take the units' place, 2 per piece.
-  const int64_t ts_pieces = host.elems > 0 ? 0 : ChooseTwoShot(prog, allreduce, esize, G, &base);
   SiteBlockLayout layout;
   if (std::string err = LayOutSiteBlock(n, G, ts_pieces > 0 ? static_cast<int>(2 * ts_pieces) : U, prog.ntrees(),
                                         gaps.size(), &base, &layout);
@@ -1197,12 +1199,8 @@ std::string CreateSiteLocked(const std::vector<int>& devices, const int32_t* pro
     return err;
   }
 
-  // The two-shot kernel's plan carries no units: its flags took their place in the layout, which
-  // has room for 2 per piece, fewer than the trees' units on a small grid (8 blocks on 4 GPUs).
-  const std::vector<Unit> plan_units = mode == Mode::kTwoShot ? std::vector<Unit>{} : units;
   std::vector<uint8_t*> mem;
-  if (std::string err = MakeSiteBlocks(devices, prog, base, layout, plan_units, gaps, seg_off, &mem); !err.empty())
-    return err;
+  if (std::string err = MakeSiteBlocks(devices, prog, base, layout, units, gaps, seg_off, &mem); !err.empty()) return err;
   sites->assign(n, nullptr);
   for (int r = 0; r < n; ++r) {
     std::unique_ptr<Site> s = NewRankSite(comm, prog, r, devices[r], esize, mode, host.ce, base, layout, mem[r]);

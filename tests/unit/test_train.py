@@ -295,6 +295,9 @@ def test_cli_fails_when_a_mode_does_not_give_psums_result(tmp_path, capsys, monk
     (["--model", "gpt2", "--modes", ","], "--modes"),
     (["--model", "gpt2", "--collective", "blink", "--modes", "switch-ce"], "--modes"),
     (["--model", "resnet", "--collective", "switch", "--modes", "switch-sparse"], "--modes"),
+    (["--model", "gpt2", "--collective", "switch", "--modes", "switch-tree-8blocks,overlap-kpack"], "--modes"),
+    (["--model", "gpt2", "--profile", __file__], "--profile"),  # a file, not a folder
+    (["--model", "gpt2", "--profile", __file__ + "/traces"], "--profile"),
 ])
 def test_cli_bad_flags_are_usage_errors(argv, flag, capsys):
     assert cli.main(argv) == 2

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
 from jax_blink.tools.train.check import UPDATE_RTOL, check_against_psum
-from jax_blink.tools.train.modes import (BASELINES, KERNEL_PACKING, LABELS, MODES, SITE_ENVIRONMENT, TREE_MODES,
-                                          overlapped_modes)
+from jax_blink.tools.train.modes import (BASELINES, KERNEL_PACKING, LABELS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
+                                          SWITCH_OVERLAP, TREE_MODES, overlapped_modes)
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -98,11 +98,13 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        modes = ["psum", "blink", *overlapped_modes(hold), "overlap-kpack", "psum-tree", *BASELINES]
+        kpack = [m for m in KERNEL_PACKING if m in OVERLAP_HOLD]  # the explicit form's
+        modes = ["psum", "blink", *overlapped_modes(hold), *kpack, "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
-                                                             "switch-kpack", *TREE_MODES, *BASELINES]
+                                                             *(m for m in KERNEL_PACKING if m in SWITCH_OVERLAP),
+                                                             *TREE_MODES, *BASELINES]
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
         return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in KERNEL_PACKING]
@@ -176,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick-compile", action="store_true",
                    help="compile the steps without XLA's backend optimisations (faster compiles, slower "
                         "steps: for tests, not for timings)")
-    p.add_argument("--profile", default=None, metavar="DIR",
+    p.add_argument("--profile", default=None, metavar="DIR", type=lambda t: output_folder("--profile", t),
                    help="trace one step of each timed mode with jax.profiler into DIR and report the overlap "
                         "figure (share of jax_blink kernel time beside compute kernels; GPU traces), and "
                         "write DIR/kernels-<mode>-vs-none.txt: each mode's kernel time by kind on the "

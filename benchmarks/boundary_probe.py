@@ -48,6 +48,8 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_blink.tools.arguments import UsageError, output_folder
+
 #: The last bucket cut into this many groups of consecutive leaves (``leaves-last-K``).
 LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
@@ -169,6 +171,29 @@ def make_steps(dp, modes):
             .lower(dp.state0, dp.batches[0]).compile() for m in modes}
 
 
+def _folder(option: str):
+    """An argparse type: a folder to write into (jax_blink.tools.arguments.output_folder), checked
+    before anything compiles."""
+    def check(text: str) -> Path:
+        try:
+            return Path(output_folder(option, text))
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"argument {option}: ")) from None
+    return check
+
+
+def _json_file(text: str) -> Path:
+    """An argparse type: a file to write, not a folder, in a folder that exists or can be made."""
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"got {text!r}, a folder; give a file name")
+    try:
+        _folder("--out")(str(p.absolute().parent))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"got {text!r}, whose folder cannot hold it: {e}") from None
+    return p
+
+
 def main(argv=None) -> int:
     from jax_blink.tools.timing import Ready, interleaved_times
     from jax_blink.tools.train.__main__ import UsageError, model_config, parser as train_parser
@@ -183,10 +208,10 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=10, help="timed rounds; 0: compile and count kernels only")
     p.add_argument("--chain", type=int, default=4)
     p.add_argument("--devices", type=int, default=1, help="the mesh's size (default 1)")
-    p.add_argument("--out", type=Path, default=None, help="write a JSON of the results here")
-    p.add_argument("--profile", type=Path, default=None,
+    p.add_argument("--out", type=_json_file, default=None, help="write a JSON of the results here")
+    p.add_argument("--profile", type=_folder("--profile"), default=None,
                    help="trace one step of each mode (jax.profiler) into this folder")
-    p.add_argument("--hlo", type=Path, default=None, help="write each mode's optimized HLO into this folder")
+    p.add_argument("--hlo", type=_folder("--hlo"), default=None, help="write each mode's optimized HLO into this folder")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]

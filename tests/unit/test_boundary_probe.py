@@ -67,6 +67,10 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
     (["--batch", "0"], "--batch must be >= 1"),
     (["--runs", "-1"], "--runs must be at least 0"),
     (["--runs", "0", "--profile", "x"], "--profile traces the timed steps"),
+    (["--out", str(BENCHMARKS)], "a folder; give a file name"),
+    (["--out", __file__ + "/r.json"], "whose folder cannot hold it"),
+    (["--hlo", __file__], "argument --hlo: got"),
+    (["--profile", __file__], "argument --profile: got"),
 ])
 def test_bad_arguments_are_refused(argv, needle):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "boundary_probe.py"), *argv],

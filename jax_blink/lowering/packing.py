@@ -1,7 +1,11 @@
 """A bucket's leaves into the executor's flat operand and back (``config.bucket_packing``).
 
 ``"xla"`` (the default) packs with XLA's concatenation and cuts the result with slices, which XLA
-fuses into the gradients' producers and into the update that reads them. ``"kernel"`` (GPUs) packs
+fuses into the gradients' producers and into the update that reads them. ``"barrier"`` is the same
+concatenation with each leaf first passed through an ``optimization_barrier`` of its own, so that
+XLA fuses none of the leaves' producers into it: on GPT-2 medium's tree under the switch XLA fused
+the bias and LayerNorm gradients' reductions into the packing concatenations, which then ran 20 ms
+per step longer than the reductions alone (``benchmarks/NOTES.md``, change 31). ``"kernel"`` (GPUs) packs
 with the ``jax_blink_pack`` custom call and unpacks with ``jax_blink_unpack``
 (``kernels/cuda/pack_ffi.cc``): one copy kernel each way, no concatenation or slices in XLA's
 program. It was built to take XLA's packing out of the backward pass's fusions, and measured
@@ -44,6 +48,8 @@ def join(xs, platform: str | None = None):
     if len(xs) == 1:
         return xs[0].reshape(-1)
     if platform is None or not uses_kernel(platform):
+        if platform is not None and config.bucket_packing == "barrier":
+            xs = [lax.optimization_barrier(x) for x in xs]
         return _concatenated(xs)
     flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)
     return jax.ffi.ffi_call(TARGET_PACK, flat_type)(*xs)

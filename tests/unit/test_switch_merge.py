@@ -239,3 +239,23 @@ def test_the_dispatch_table_decides_on_the_merged_size():
     assert merged.operands == 4 and merged.runs_on == "xla" and "dispatch=auto" in merged.reason
     assert "XLA's own collective for each of 4 operands" in str(merged)
     assert [(d.operands, d.runs_on) for d in reports[0]] == [(1, "jax_blink")] * 4
+
+
+@pytest.mark.parametrize("packing", ["xla", "barrier"])
+def test_barrier_packing_holds_each_merged_leaf_apart_from_its_producer(packing):
+    """``bucket_packing="barrier"``: each operand of a merged call passes through an
+    ``optimization_barrier`` of its own before the concatenation (so that XLA fuses none of the
+    leaves' producers into it); ``"xla"`` has none. The sums stay lax's, bit for bit."""
+    mesh = _mesh()
+    tree = _tree(mesh, 7)
+    fn = jax.jit(jax.shard_map(lambda t: lax.psum(jax.tree.map(lambda v: v * 3, t), "x"),
+                               mesh=mesh, in_specs=P("x"), out_specs=P()))
+    with override(bucket_packing=packing):
+        plain, switched, calls, report = _run(fn, tree)
+        with jax_blink.installed(), override(dispatch="blink"):
+            text = fn.lower(tree).as_text()
+    _assert_identical(plain, switched)
+    assert calls == 3  # float32 (4 leaves), int32 (2), bfloat16 (1); int8 on XLA
+    barriers = len(re.findall(r"stablehlo\.optimization_barrier", text))
+    # One per operand of a merged call of several: the float32 group's 4 and the int32 group's 2.
+    assert barriers == (4 + 2 if packing == "barrier" else 0), text

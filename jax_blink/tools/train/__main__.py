@@ -31,7 +31,7 @@ from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
 from jax_blink.tools.train.check import UPDATE_RTOL, check_against_psum
-from jax_blink.tools.train.modes import (BASELINES, KERNEL_PACKING, LABELS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
+from jax_blink.tools.train.modes import (BASELINES, PACKING_VARIANTS, LABELS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
                                           SWITCH_OVERLAP, TREE_MODES, overlapped_modes)
 
 PROG = "python -m jax_blink.tools.train"
@@ -98,16 +98,16 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        kpack = [m for m in KERNEL_PACKING if m in OVERLAP_HOLD]  # the explicit form's
-        modes = ["psum", "blink", *overlapped_modes(hold), *kpack, "psum-tree", *BASELINES]
+        packed = [m for m in PACKING_VARIANTS if m in OVERLAP_HOLD]  # the explicit form's
+        modes = ["psum", "blink", *overlapped_modes(hold), *packed, "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
-                                                             *(m for m in KERNEL_PACKING if m in SWITCH_OVERLAP),
+                                                             *(m for m in PACKING_VARIANTS if m in SWITCH_OVERLAP),
                                                              *TREE_MODES, *BASELINES]
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
-        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in KERNEL_PACKING]
+        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
                         "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
                         "8 blocks, on GPUs), switch-tree and its variants switch-tree-8blocks, switch-tree-twoshot "
                         "(the two-shot kernel from 1 MiB) and switch-tree-sync (not overlapped), and the "
-                        "*-kpack modes (buckets packed by the copy kernel); with any, psum-tree (the gradients summed by one "
+                        "*-kpack and *-barrier modes (buckets packed by the copy kernel, or each leaf behind a barrier of "
+                        "its own before XLA's packing); with any, psum-tree (the gradients summed by one "
                         "lax.psum of the tree, no buckets, as a user writes it); default: every mode of "
                         "--collective but these variants")
     p.add_argument("--quick-compile", action="store_true",

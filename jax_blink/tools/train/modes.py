@@ -31,21 +31,25 @@ TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8b
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 #: jax_blink options that a mode outside the switch lowers under.
 MODE_OPTIONS: dict[str, dict] = {}
-#: Modes that are another mode with the executor's buckets packed by its copy kernel
-#: (``bucket_packing="kernel"``, jax_blink/lowering/packing.py), timed when asked for. Each takes
-#: its base mode's entries in the tables above, with that option added.
-KERNEL_PACKING = {"switch-kpack": "switch", "switch-tree-kpack": "switch-tree", "overlap-kpack": "overlap"}
-for _mode, _base in KERNEL_PACKING.items():
+#: Modes that are another mode with the executor's buckets packed another way, timed when asked
+#: for: by its copy kernel (``*-kpack``: ``bucket_packing="kernel"``) or by XLA's concatenation
+#: with each leaf behind a barrier of its own (``*-barrier``: ``bucket_packing="barrier"``;
+#: jax_blink/lowering/packing.py). Each takes its base mode's entries in the tables above, with
+#: that option added. Mode: (base mode, bucket_packing).
+PACKING_VARIANTS = {"switch-kpack": ("switch", "kernel"), "switch-tree-kpack": ("switch-tree", "kernel"),
+                    "overlap-kpack": ("overlap", "kernel"), "switch-barrier": ("switch", "barrier"),
+                    "switch-tree-barrier": ("switch-tree", "barrier"), "overlap-barrier": ("overlap", "barrier")}
+for _mode, (_base, _packing) in PACKING_VARIANTS.items():
     if _base in SWITCH_OVERLAP:
-        SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "bucket_packing": "kernel"}
+        SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "bucket_packing": _packing}
     else:
-        MODE_OPTIONS[_mode] = {**MODE_OPTIONS.get(_base, {}), "bucket_packing": "kernel"}
+        MODE_OPTIONS[_mode] = {**MODE_OPTIONS.get(_base, {}), "bucket_packing": _packing}
     if _base in OVERLAP_HOLD:
         OVERLAP_HOLD[_mode] = OVERLAP_HOLD[_base]
     if _base in TREE_MODES:
         TREE_MODES.append(_mode)
 TREE_MODES = tuple(TREE_MODES)
-del _mode, _base
+del _mode, _base, _packing
 #: Every mode and what the tool's table calls it.
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
@@ -59,10 +63,11 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
              for m, env in SITE_ENVIRONMENT.items()},
           "psum-tree": "psum of the gradient tree (no buckets)", "switch-tree": "psum of the tree under the switch",
           "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
-LABELS.update({m: f"{LABELS[base]}, packed by the copy kernel" for m, base in KERNEL_PACKING.items()})
+_PACKED_BY = {"kernel": "packed by the copy kernel", "barrier": "each leaf behind a barrier before the packing"}
+LABELS.update({m: f"{LABELS[base]}, {_PACKED_BY[packing]}" for m, (base, packing) in PACKING_VARIANTS.items()})
 MODES = tuple(LABELS)
 
 
 def overlapped_modes(hold: str) -> list[str]:
     """The overlapped modes that the tool's ``--hold`` (recent, all or both) names."""
-    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both") and m not in KERNEL_PACKING]
+    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both") and m not in PACKING_VARIANTS]

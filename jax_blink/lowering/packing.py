@@ -1,17 +1,15 @@
 """A bucket's leaves into the executor's flat operand and back (``config.bucket_packing``).
 
-``"xla"`` (the default) packs with XLA's concatenation and cuts the result with slices, which XLA
-fuses into the gradients' producers and into the update that reads them. ``"barrier"`` is the same
-concatenation with each leaf first passed through an ``optimization_barrier`` of its own, so that
-XLA fuses none of the leaves' producers into it: on GPT-2 medium's tree under the switch XLA fused
-the bias and LayerNorm gradients' reductions into the packing concatenations, which then ran 20 ms
-per step longer than the reductions alone (``benchmarks/NOTES.md``, change 31). ``"kernel"`` (GPUs) packs
-with the ``jax_blink_pack`` custom call and unpacks with ``jax_blink_unpack``
-(``kernels/cuda/pack_ffi.cc``): one copy kernel each way, no concatenation or slices in XLA's
-program. It was built to take XLA's packing out of the backward pass's fusions, and measured
-0.11-0.44 ms slower per step on 4 x H200: its copies cost more than they saved, and a call that
-holds a bucket's leaves splits ResNet-50's fusions as a concatenation does
-(``benchmarks/NOTES.md``, change 29). CPU devices always take XLA's form.
+``"barrier"`` (the default) packs with XLA's concatenation, each leaf first passed through an
+``optimization_barrier`` of its own, and cuts the result with slices, which XLA fuses into the
+update that reads them. The barriers keep the leaves' producers out of the concatenation: without
+them (``"xla"``) XLA fused the bias and LayerNorm gradients' reductions into GPT-2 medium's packing
+under the switch, and those fusions ran 20 ms per step longer than the reductions alone (1.34x
+psum's step on 2 and 4 x H200), while the barriers cost 0.1-0.17 ms on GPT-2 small and nothing on
+ResNet-50 (``benchmarks/NOTES.md``, change 31). ``"kernel"`` (GPUs) packs with the
+``jax_blink_pack`` custom call and unpacks with ``jax_blink_unpack`` (``kernels/cuda/pack_ffi.cc``):
+one copy kernel each way, no concatenation or slices in XLA's program, measured 0.11-0.44 ms slower
+than XLA's packing on 4 x H200 (change 29). CPU devices always take XLA's concatenation.
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def _check_chunk_bytes(value) -> int | str | None:
 
 
 #: How a bucket's leaves become the executor's flat operand and come back (``bucket_packing``).
-BUCKET_PACKINGS = ("xla", "barrier", "kernel")
+BUCKET_PACKINGS = ("barrier", "xla", "kernel")
 
 
 def _choice(field: str, choices: tuple[str, ...]):
@@ -199,14 +199,15 @@ class Options:
             was level with it on, 0.9% slower on 2; :mod:`jax_blink.switch.sparse`).
         bucket_packing: How the executor's call of several leaves (a bucket of
             :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
-            switch) packs them into its flat operand and back: ``"xla"`` (XLA's concatenation and
-            slices), ``"barrier"`` (the same, each leaf behind an ``optimization_barrier`` of its
-            own, so that XLA fuses none of its producers into the concatenation) or ``"kernel"``
-            (one copy kernel each way, ``jax_blink_pack`` and ``jax_blink_unpack``, on GPUs; CPU
-            devices take XLA's concatenation)
-            (``JAX_BLINK_BUCKET_PACKING``, default ``"xla"``: the kernel made every training step
-            measured on 4 x H200 0.11-0.44 ms slower, XLA fusing its own packing into the
-            gradients' producers and the update; :mod:`jax_blink.lowering.packing`).
+            switch) packs them into its flat operand and back: ``"barrier"`` (XLA's concatenation
+            and slices, each leaf first behind an ``optimization_barrier`` of its own, so that XLA
+            fuses none of the leaves' producers into the concatenation), ``"xla"`` (the same
+            without the barriers) or ``"kernel"`` (one copy kernel each way, ``jax_blink_pack``
+            and ``jax_blink_unpack``, on GPUs; CPU devices take XLA's concatenation)
+            (``JAX_BLINK_BUCKET_PACKING``, default ``"barrier"``: with ``"xla"``, XLA fused the
+            bias and LayerNorm gradients' reductions into GPT-2 medium's packing and the step
+            under the switch took 1.34x psum's on 2 and 4 x H200; ``"barrier"`` cost 0.1-0.17 ms
+            on GPT-2 small and nothing on ResNet-50; :mod:`jax_blink.lowering.packing`).
 
     Raises:
         TypeError: An assigned value of the wrong type.
@@ -224,7 +225,7 @@ class Options:
     switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
     switch_sparse_gradients: bool = False  # the switch: embedding gradients gathered, not summed dense
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
-    bucket_packing: str = "xla"  # a bucket's leaves into the executor's flat operand: "xla", "barrier" or "kernel"
+    bucket_packing: str = "barrier"  # a bucket's leaves into the executor's flat operand: "barrier", "xla" or "kernel"
 
     def __setattr__(self, name: str, value) -> None:
         check = _CHECKS.get(name)

@@ -35,7 +35,7 @@ GOOD = {
     "switch_overlap": [(True, True), (False, False), (np.bool_(False), False)],
     "switch_late_last_wait": [(True, True), (False, False)],
     "switch_sparse_gradients": [(True, True), (False, False)],
-    "bucket_packing": [("xla", "xla"), ("barrier", "barrier"), ("kernel", "kernel")],
+    "bucket_packing": [("barrier", "barrier"), ("xla", "xla"), ("kernel", "kernel")],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -71,7 +71,7 @@ BAD = [
     ("switch_overlap", "on", TypeError, "True or False"),
     ("switch_late_last_wait", 0, TypeError, "switch_late_last_wait must be True or False"),
     ("switch_sparse_gradients", "yes", TypeError, "switch_sparse_gradients must be True or False"),
-    ("bucket_packing", "kernels", ValueError, "bucket_packing must be one of ('xla', 'barrier', 'kernel')"),
+    ("bucket_packing", "kernels", ValueError, "bucket_packing must be one of ('barrier', 'xla', 'kernel')"),
     ("bucket_packing", True, TypeError, "bucket_packing must be one of"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),

@@ -172,8 +172,8 @@ def parser() -> argparse.ArgumentParser:
                         "also switch-ce and switch-8blocks (the overlapped all-reduce on copy engines, or on "
                         "8 blocks, on GPUs), switch-tree and its variants switch-tree-8blocks, switch-tree-twoshot "
                         "(the two-shot kernel from 1 MiB) and switch-tree-sync (not overlapped), and the "
-                        "*-kpack and *-barrier modes (buckets packed by the copy kernel, or each leaf behind a barrier of "
-                        "its own before XLA's packing); with any, psum-tree (the gradients summed by one "
+                        "*-kpack and *-fused modes (buckets packed by the copy kernel, or by XLA's concatenation with "
+                        "the leaves' producers fused into it: bucket_packing=\"kernel\" or \"xla\"); with any, psum-tree (the gradients summed by one "
                         "lax.psum of the tree, no buckets, as a user writes it); default: every mode of "
                         "--collective but these variants")
     p.add_argument("--quick-compile", action="store_true",

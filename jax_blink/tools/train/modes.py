@@ -31,14 +31,15 @@ TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8b
 OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all"}
 #: jax_blink options that a mode outside the switch lowers under.
 MODE_OPTIONS: dict[str, dict] = {}
-#: Modes that are another mode with the executor's buckets packed another way, timed when asked
-#: for: by its copy kernel (``*-kpack``: ``bucket_packing="kernel"``) or by XLA's concatenation
-#: with each leaf behind a barrier of its own (``*-barrier``: ``bucket_packing="barrier"``;
-#: jax_blink/lowering/packing.py). Each takes its base mode's entries in the tables above, with
-#: that option added. Mode: (base mode, bucket_packing).
+#: Modes that are another mode with the executor's buckets packed another way than the default
+#: (each leaf behind a barrier, then XLA's concatenation), timed when asked for: by its copy kernel
+#: (``*-kpack``: ``bucket_packing="kernel"``) or by XLA's concatenation with the leaves' producers
+#: free to fuse into it (``*-fused``: ``bucket_packing="xla"``; jax_blink/lowering/packing.py).
+#: Each takes its base mode's entries in the tables above, with that option added.
+#: Mode: (base mode, bucket_packing).
 PACKING_VARIANTS = {"switch-kpack": ("switch", "kernel"), "switch-tree-kpack": ("switch-tree", "kernel"),
-                    "overlap-kpack": ("overlap", "kernel"), "switch-barrier": ("switch", "barrier"),
-                    "switch-tree-barrier": ("switch-tree", "barrier"), "overlap-barrier": ("overlap", "barrier")}
+                    "overlap-kpack": ("overlap", "kernel"), "switch-fused": ("switch", "xla"),
+                    "switch-tree-fused": ("switch-tree", "xla"), "overlap-fused": ("overlap", "xla")}
 for _mode, (_base, _packing) in PACKING_VARIANTS.items():
     if _base in SWITCH_OVERLAP:
         SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "bucket_packing": _packing}
@@ -63,7 +64,7 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
              for m, env in SITE_ENVIRONMENT.items()},
           "psum-tree": "psum of the gradient tree (no buckets)", "switch-tree": "psum of the tree under the switch",
           "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
-_PACKED_BY = {"kernel": "packed by the copy kernel", "barrier": "each leaf behind a barrier before the packing"}
+_PACKED_BY = {"kernel": "packed by the copy kernel", "xla": "XLA's packing fused with the leaves' producers"}
 LABELS.update({m: f"{LABELS[base]}, {_PACKED_BY[packing]}" for m, (base, packing) in PACKING_VARIANTS.items()})
 MODES = tuple(LABELS)
 

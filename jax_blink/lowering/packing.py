@@ -42,11 +42,14 @@ def _sliced(flat, shapes):
 
 def join(xs, platform: str | None = None):
     """The arrays ``xs`` (one dtype) as one flat array, their elements one after another.
-    ``platform``: the executor's platform, whose ``bucket_packing`` applies; None: XLA's form."""
+    ``platform``: the executor's platform, whose ``bucket_packing`` applies; None: XLA's
+    concatenation without barriers (a bucket that XLA's own all-reduce sums)."""
     if len(xs) == 1:
         return xs[0].reshape(-1)
     if platform is None or not uses_kernel(platform):
         if platform is not None and config.bucket_packing == "barrier":
+            # A barrier per leaf, the form measured (change 31): no producer of a leaf can then be
+            # fused into the concatenation, and no leaf waits for another before it.
             xs = [lax.optimization_barrier(x) for x in xs]
         return _concatenated(xs)
     flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)

@@ -22,6 +22,12 @@ Modes (each is the step of ``none`` with something at the gradients' place):
 - ``flat-then-tree``, ``leaves-then-tree``: ``flat`` or ``leaves``, then the whole tree behind one
   more barrier before the update (as a step would tie every bucket's result together after its
   last wait): whether the update's side of the boundary is what splits them;
+- ``tree-packed``, ``tree-packed-barrier``: the tree's leaves in leaf order, cut into groups of at
+  most the bucket cap as the switch merges ``lax.psum(tree)`` (:func:`jax_blink.switch.merge.merge_groups`),
+  each group packed by :func:`jax_blink.lowering.packing.join` with ``bucket_packing="xla"`` or
+  ``"barrier"``, held by one barrier (the stand-in for the call) and split back: the switch's
+  merged calls without their communication, where XLA fused GPT-2 medium's bias and LayerNorm
+  reductions into the packing (change 31 of the lab notes);
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -54,7 +60,7 @@ from jax_blink.tools.arguments import UsageError, output_folder
 LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
          "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
-         *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS))
+         *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier")
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -115,6 +121,8 @@ def boundary(mode: str, tree, layout):
         raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
     if mode.endswith("-then-tree"):
         return lax.optimization_barrier(boundary(mode.removesuffix("-then-tree"), tree, layout))
+    if mode.startswith("tree-packed"):
+        return _tree_packed(tree, layout.bucket_bytes, "barrier" if mode.endswith("-barrier") else "xla")
     shape = mode.removeprefix("call-")
     hold = identity_call if mode.startswith("call-") else (lambda vs: list(lax.optimization_barrier(vs)))
     if shape == "flat":
@@ -135,6 +143,22 @@ def boundary(mode: str, tree, layout):
                 held = hold([leaves[s.leaf] for s in group])
                 for s, v in zip(group, held):
                     leaves[s.leaf] = v
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _tree_packed(tree, cap_bytes: int, packing: str):
+    """``tree`` as the switch's merged calls take it, packed with ``bucket_packing=packing``, each
+    group's flat operand behind one barrier and split back (no communication)."""
+    from jax_blink.lowering import packing as _packing
+    from jax_blink.options import override
+    from jax_blink.switch.merge import merge_groups
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+    with override(bucket_packing=packing):
+        for group in merge_groups([jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves], cap_bytes):
+            flat = lax.optimization_barrier(_packing.join([leaves[i] for i in group], platform))
+            for i, v in zip(group, _packing.split(flat, [leaves[i].shape for i in group], platform)):
+                leaves[i] = v
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -263,15 +287,16 @@ def main(argv=None) -> int:
     print(f"{args.model} {args.size} (batch {cfg.batch} per device), {kind}, jax {jax.__version__}; "
           f"{len(dp.layout.buckets)} buckets; {timed}; kernels COUNTED in the optimized HLO")
     base = counts.get("none")
+    width = max(len(m) for m in modes)
     for m in modes:
         extra = "" if "none" not in med or not args.runs else f"  ({med[m] - med['none']:+.3f} ms over none)"
         when = f"{med[m]:9.3f} ms{extra}" if args.runs else "not timed"
-        print(f"  {m:17s} {when}  kernels {sum(counts[m].values())}")
+        print(f"  {m:{width}s} {when}  kernels {sum(counts[m].values())}")
         if base is not None and m != "none":
             diff = {k: counts[m][k] - base[k] for k in set(counts[m]) | set(base)}
             top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
             if top:
-                print("                    vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+                print(f"  {'':{width}s} vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,

@@ -85,3 +85,20 @@ def test_the_last_bucket_cut_into_groups(n, k, sizes):
     groups = probe._cut(list(range(n)), k)
     assert [len(g) for g in groups] == sizes
     assert [x for g in groups for x in g] == list(range(n))
+
+
+def test_the_tree_packed_as_the_switch_merges_it(dp):
+    """tree-packed(-barrier): the leaves in groups of at most the bucket cap (merge_groups), one
+    barrier per group; the barrier form adds one more per leaf of every group of several."""
+    import re
+    from jax_blink.switch.merge import merge_groups
+    leaves = jax.tree.leaves({"grads": dp.state0["params"], "stats": dp.state0["stats"]})
+    groups = merge_groups([jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves], dp.layout.bucket_bytes)
+    assert len(groups) > 2 and any(len(g) > 1 for g in groups)
+    counts = {}
+    for m in ("tree-packed", "tree-packed-barrier"):
+        text = dp.step_fn("none", combine=lambda t, m=m: probe.boundary(m, t, dp.layout)).lower(
+            dp.state0, dp.batches[0]).as_text()
+        counts[m] = len(re.findall(r"stablehlo\.optimization_barrier", text))
+    assert counts["tree-packed"] == len(groups)
+    assert counts["tree-packed-barrier"] == len(groups) + sum(len(g) for g in groups if len(g) > 1)

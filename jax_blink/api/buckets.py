@@ -18,6 +18,9 @@ One departure from DDP, asked for with ``large_leaf_alone=True``: a leaf of at l
 closes the open bucket first and gets a bucket of its own, as the switch's merged all-reduces do.
 DDP would add it to the open bucket, so the leaves there wait for it: a tied embedding, summed
 last, holds back the first block's gradients and adds their bytes to the last all-reduce.
+Another, with ``last_bucket_pieces=K``: the last bucket is cut into K buckets of consecutive
+leaves, since a call that holds the backward pass's last leaves together splits some of XLA's
+fusions there (ResNet-50).
 """
 from __future__ import annotations
 
@@ -95,6 +98,8 @@ class BucketLayout:
         reversed_leaves: Whether the leaves went in reverse order (DDP's default), rather than in
             an order given (``order=``).
         large_leaf_alone: Whether a leaf of at least the cap got a bucket of its own.
+        last_bucket_pieces: How many buckets the last bucket (the last the backward pass
+            completes) was cut into: as many as asked, or one per leaf where it had fewer.
     """
 
     treedef: Any
@@ -103,11 +108,13 @@ class BucketLayout:
     first_bucket_bytes: int
     reversed_leaves: bool = True
     large_leaf_alone: bool = False
+    last_bucket_pieces: int = 1
 
     @classmethod
     def of(cls, tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
-           order: Sequence[int] | None = None, large_leaf_alone: bool = False) -> "BucketLayout":
+           order: Sequence[int] | None = None, large_leaf_alone: bool = False,
+           last_bucket_pieces: int = 1) -> "BucketLayout":
         """The layout of a pytree, bucketed as DDP buckets gradients.
 
         Args:
@@ -121,6 +128,11 @@ class BucketLayout:
             large_leaf_alone: A leaf of at least its bucket's cap closes the open bucket (of its
                 dtype) first and is a bucket of its own; default False, DDP's rule (it joins the
                 open bucket).
+            last_bucket_pieces: The last bucket cut into this many buckets of consecutive leaves,
+                as even in leaf count as can be (at most one per leaf); default 1, DDP's. A
+                collective that holds the backward pass's last bucket together splits XLA's
+                fusions of its residual additions with BatchNorm's reductions on ResNet-50, and
+                smaller groups split fewer (``benchmarks/NOTES.md``, change 31).
 
         Returns:
             The layout.
@@ -128,7 +140,8 @@ class BucketLayout:
         Raises:
             ValueError: A cap is not a positive number of bytes, or ``order`` is not a permutation
                 of the leaf indices.
-            TypeError: ``large_leaf_alone`` is not a bool.
+            TypeError: ``large_leaf_alone`` is not a bool, or ``last_bucket_pieces`` not a
+                whole number.
         """
         if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
@@ -137,6 +150,10 @@ class BucketLayout:
             raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
         if not isinstance(large_leaf_alone, (bool, np.bool_)):
             raise TypeError(f"large_leaf_alone must be True or False, got {large_leaf_alone!r}")
+        if isinstance(last_bucket_pieces, (bool, np.bool_)) or not isinstance(last_bucket_pieces, (int, np.integer)):
+            raise TypeError(f"last_bucket_pieces must be a whole number >= 1, got {last_bucket_pieces!r}")
+        if last_bucket_pieces < 1:
+            raise ValueError(f"last_bucket_pieces must be >= 1, got {last_bucket_pieces!r}")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if not with_paths:
             raise ValueError("BucketLayout.of: the tree has no leaves")
@@ -164,7 +181,14 @@ class BucketLayout:
                 closed.append(Bucket(dtype, tuple(slots)))
                 del open_[dtype]
         closed += [Bucket(d, tuple(s)) for d, s in open_.items()]
-        return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order, bool(large_leaf_alone))
+        pieces = 1
+        if last_bucket_pieces > 1:
+            *closed, last = closed
+            groups = _cut(last.slots, int(last_bucket_pieces))
+            closed += [Bucket(last.dtype, _restarted(group)) for group in groups]
+            pieces = len(groups)
+        return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order, bool(large_leaf_alone),
+                   pieces)
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +237,9 @@ class BucketLayout:
                  f"leaves (cap {_fmt_bytes(self.bucket_bytes)}, first bucket {_fmt_bytes(self.first_bucket_bytes)}; "
                  + ("leaves in reverse order, as DDP" if self.reversed_leaves else
                     "leaves in the order their gradients become ready")
-                 + ("; a leaf of at least the cap alone)" if self.large_leaf_alone else ")")]
+                 + ("; a leaf of at least the cap alone" if self.large_leaf_alone else "")
+                 + (f"; the last bucket cut into {self.last_bucket_pieces}" if self.last_bucket_pieces > 1 else "")
+                 + ")"]
         for i, b in enumerate(self.buckets):
             first, last = b.slots[0].path, b.slots[-1].path
             span = first if len(b.slots) == 1 else f"{first} .. {last}"
@@ -230,6 +256,19 @@ class BucketLayout:
             parts.append(f"--- bucket {i}: all-reduce of {_fmt_bytes(b.nbytes)} ({b.dtype.name})\n"
                          + explain(topology, b.nbytes, "allreduce", dtype=b.dtype, **kwargs))
         return "\n".join(parts)
+
+
+def _cut(slots: Sequence[Slot], k: int) -> list[list[Slot]]:
+    """``slots`` in at most ``k`` groups of consecutive slots, as even in count as can be; none empty."""
+    k = min(k, len(slots))
+    bounds = [len(slots) * i // k for i in range(k + 1)]
+    return [list(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _restarted(slots: Sequence[Slot]) -> tuple[Slot, ...]:
+    """``slots`` laid out again from offset 0, in order."""
+    offsets = np.cumsum([0] + [s.size for s in slots])
+    return tuple(dataclasses.replace(s, offset=int(o)) for s, o in zip(slots, offsets))
 
 
 def bucketed(tree, reduce_bucket: Callable[[jax.Array], jax.Array],

@@ -41,7 +41,8 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
                               has_aux: bool = False, reduce_aux: bool = False,
                               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                               first_bucket_bytes: int | None = DEFAULT_FIRST_BUCKET_BYTES,
-                              hold: str = "recent", large_leaf_alone: bool = False, **kwargs) -> Callable:
+                              hold: str = "recent", large_leaf_alone: bool = False,
+                              last_bucket_pieces: int = 1, **kwargs) -> Callable:
     """``jax.value_and_grad(fun)`` whose gradients come summed over ``axis_name``, each bucket's
     all-reduce started inside the backward pass as soon as its gradients exist.
 
@@ -63,6 +64,8 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             earlier form: XLA must then materialise the forward pass's values).
         large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
             bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
+        last_bucket_pieces: The last bucket (the backward pass's last gradients) cut into this
+            many buckets of consecutive leaves (:meth:`BucketLayout.of`); default 1.
         **kwargs: Passed to :func:`jax_blink.all_reduce_start` (``topology``, ``method``).
 
     Returns:
@@ -73,6 +76,9 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
     if not isinstance(large_leaf_alone, bool):
         raise TypeError(f"value_and_grad_overlapped: large_leaf_alone must be True or False, got {large_leaf_alone!r}")
+    if isinstance(last_bucket_pieces, bool) or not isinstance(last_bucket_pieces, int) or last_bucket_pieces < 1:
+        raise ValueError(f"value_and_grad_overlapped: last_bucket_pieces must be a whole number >= 1, "
+                         f"got {last_bucket_pieces!r}")
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):
@@ -86,7 +92,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
                 for i in reduced]
         order = _buckets.ready_order(program, [program.out_keys[i] for i in reduced])
         layout = _buckets.BucketLayout.of(tree, bucket_bytes, first_bucket_bytes, order=order,
-                                          large_leaf_alone=large_leaf_alone)
+                                          large_leaf_alone=large_leaf_alone, last_bucket_pieces=last_bucket_pieces)
         # The backward pass begins, for the barriers, at the first gradient it makes.
         backward = min((program.made(program.out_keys[i]) for i in range(n_value, len(program.out_keys))),
                        default=len(program.steps))

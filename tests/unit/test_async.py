@@ -391,15 +391,39 @@ def test_value_and_grad_overlapped_equals_psum_bitwise_on_exact_sums():
         assert np.array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_value_and_grad_overlapped_cuts_its_last_bucket():
+    """``last_bucket_pieces``: the last bucket's leaves in that many calls (psum's bits still), and
+    a bad value refused naming the argument."""
+    rng = np.random.default_rng(12)
+    params = {k: jnp.asarray(rng.integers(-3, 4, (6,)), jnp.float32) for k in "abcde"}
+    xs = _sharded(rng.integers(-4, 5, (N, 6)).astype(np.float32))
+
+    def loss(p, x):
+        return sum(jnp.sum(jnp.tanh(x * p[k]) * (i + 1)) for i, k in enumerate("abcde"))
+
+    mesh = _mesh()
+
+    def run(pieces):
+        f = jax.jit(jax.shard_map(
+            lambda p, x: jax_blink.value_and_grad_overlapped(
+                loss, "data", bucket_bytes=1 << 20, first_bucket_bytes=16, last_bucket_pieces=pieces)(p, x[0])[1],
+            mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False))
+        return f(params, xs), f.lower(params, xs).as_text().count("@jax_blink_collective")
+
+    with override(dispatch="blink"):
+        whole, calls_whole = run(1)
+        cut, calls_cut = run(3)
+    assert (calls_whole, calls_cut) == (2, 4)  # the first bucket (one leaf), then 4 leaves in 1 or 3 calls
+    for g, w in zip(jax.tree.leaves(cut), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="last_bucket_pieces"):
+        jax_blink.value_and_grad_overlapped(loss, "data", last_bucket_pieces=0)
+
+
 def test_bucket_packing_barrier_holds_each_leaf_of_an_overlapped_bucket_apart():
     """``bucket_packing="barrier"``: the overlapped form's bucket of several leaves passes each leaf
     through a barrier of its own before the concatenation (one more ``optimization_barrier`` per
     leaf than XLA's packing), and the sums stay the same, bit for bit."""
-    import re
-    from jax.sharding import PartitionSpec as P
-    from jax_blink.api.buckets import BucketLayout, bucketed_all_reduce
-    from jax_blink.options import override
-
     n = min(4, len(jax.devices()))
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     rng = np.random.default_rng(11)

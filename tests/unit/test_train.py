@@ -89,6 +89,31 @@ def test_large_leaf_alone_closes_the_open_bucket_first():
         buckets.BucketLayout.of(tree, large_leaf_alone="yes")
 
 
+def test_last_bucket_pieces_cuts_only_the_last_bucket():
+    """last_bucket_pieces=K: the buckets before the last as DDP's, the last cut into K buckets of
+    consecutive leaves as even in count as can be, each laid out from offset 0; at most one per
+    leaf; the round trip unchanged; bad values refused naming the argument."""
+    rng = np.random.default_rng(4)
+    tree = {f"w{i:02d}": rng.standard_normal((i + 2, 3)).astype(np.float32) for i in range(11)}
+    ddp = buckets.BucketLayout.of(tree, bucket_bytes=1 << 20, first_bucket_bytes=100)
+    assert [len(b.slots) for b in ddp.buckets] == [1, 10]  # w10 (144 bytes) closes the first bucket
+    paths = lambda layout: [[s.path for s in b.slots] for b in layout.buckets]  # noqa: E731
+    for k, sizes in ((1, [10]), (2, [5, 5]), (4, [2, 3, 2, 3]), (9, [1] * 8 + [2]), (40, [1] * 10)):
+        cut = buckets.BucketLayout.of(tree, bucket_bytes=1 << 20, first_bucket_bytes=100, last_bucket_pieces=k)
+        assert paths(cut)[:1] == paths(ddp)[:1]
+        assert [len(b.slots) for b in cut.buckets[1:]] == sizes
+        assert sum(paths(cut)[1:], []) == paths(ddp)[1]  # the same leaves in the same order
+        assert cut.last_bucket_pieces == len(sizes)
+        for b in cut.buckets:
+            assert [s.offset for s in b.slots] == list(np.cumsum([0] + [s.size for s in b.slots])[:-1])
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(cut.unpack(cut.pack(tree)))):
+            assert np.array_equal(x, np.asarray(y))
+        assert ("the last bucket cut into" in cut.describe()) == (k > 1)
+    for bad, err in ((0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), ("3", TypeError)):
+        with pytest.raises(err, match="last_bucket_pieces"):
+            buckets.BucketLayout.of(tree, last_bucket_pieces=bad)
+
+
 def test_bucketed_all_reduce_equals_psum_per_leaf():
     rng = np.random.default_rng(1)
     per_rank = [_tree(rng) for _ in range(N)]

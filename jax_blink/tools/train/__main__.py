@@ -144,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a gradient leaf of at least the bucket cap gets a bucket of its own, the open "
                         "bucket closed before it (DDP adds it to the open bucket: GPT-2's tied embedding "
                         "then holds back the first block's gradients)")
+    p.add_argument("--last-bucket-pieces", type=_positive_int("--last-bucket-pieces"), default=1,
+                   help="the last bucket (the backward pass's last gradients) cut into this many buckets of "
+                        "consecutive leaves (default 1, DDP's; on ResNet-50 a call holding that bucket whole "
+                        "splits XLA's fusions of the residual additions with BatchNorm's reductions). The "
+                        "psum of the tree (psum-tree, switch-tree*) has no buckets of the tool's")
     p.add_argument("--lr", type=_positive_float("--lr"), help="learning rate (default 0.1 SGD for resnet, 1e-3 AdamW for gpt2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=_positive_int("--devices"),
@@ -350,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       first_bucket_bytes=int(args.first_bucket_mb * (1 << 20)), seed=args.seed,
                       lr=args.lr, dispatch=args.dispatch,
                       compiler_options={"xla_backend_optimization_level": 0} if args.quick_compile else None,
-                      stream=args.stream, large_leaf_alone=args.large_leaf_alone)
+                      stream=args.stream, large_leaf_alone=args.large_leaf_alone,
+                      last_bucket_pieces=args.last_bucket_pieces)
     say(f"model: {args.model} {args.size} {cfg}, {dp.param_count:,} parameters")
     say(f"gradient buckets: {dp.layout.describe()}")
     if args.explain and n > 1:

@@ -132,7 +132,7 @@ class DataParallel:
                  first_bucket_bytes: int | None = _buckets.DEFAULT_FIRST_BUCKET_BYTES,
                  seed: int = 0, lr: float | None = None, data_batches: int = 4,
                  dispatch: str = "blink", compiler_options: dict | None = None,
-                 stream: int | None = None, large_leaf_alone: bool = False):
+                 stream: int | None = None, large_leaf_alone: bool = False, last_bucket_pieces: int = 1):
         self.model_name, self.cfg, self.mesh, self.axis = model, cfg, mesh, axis
         self.n = mesh.shape[axis]
         self.dispatch = dispatch
@@ -161,7 +161,8 @@ class DataParallel:
         # in leaf order reversed, is summed last), as DDP rebuilds its buckets after one iteration.
         self.layout = _buckets.BucketLayout.of(
             {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
-            first_bucket_bytes, order=self._gradient_order(), large_leaf_alone=large_leaf_alone)
+            first_bucket_bytes, order=self._gradient_order(), large_leaf_alone=large_leaf_alone,
+            last_bucket_pieces=last_bucket_pieces)
         self._compiled: dict[str, object] = {}
         self._sites_set_up: set[str] = set()  # modes of SITE_ENVIRONMENT that have run once
 
@@ -216,7 +217,7 @@ class DataParallel:
                 (loss, stats), grads = value_and_grad_overlapped(
                     loss_of, axis, has_aux=True, reduce_aux=True, bucket_bytes=layout.bucket_bytes,
                     first_bucket_bytes=layout.first_bucket_bytes, hold=OVERLAP_HOLD[mode],
-                    large_leaf_alone=layout.large_leaf_alone)(mine)
+                    large_leaf_alone=layout.large_leaf_alone, last_bucket_pieces=layout.last_bucket_pieces)(mine)
                 summed = {"grads": grads, "stats": stats}
             elif mode in TREE_MODES:  # one psum of the tree, as a user writes it: no buckets of ours
                 (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(mine)

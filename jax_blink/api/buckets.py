@@ -98,8 +98,8 @@ class BucketLayout:
         reversed_leaves: Whether the leaves went in reverse order (DDP's default), rather than in
             an order given (``order=``).
         large_leaf_alone: Whether a leaf of at least the cap got a bucket of its own.
-        last_bucket_pieces: How many buckets the last bucket (the last the backward pass
-            completes) was cut into: as many as asked, or one per leaf where it had fewer.
+        last_bucket_pieces: How many buckets the last bucket (the last whose all-reduce runs) was
+            cut into: as many as asked, or one per leaf where it had fewer.
     """
 
     treedef: Any
@@ -128,8 +128,9 @@ class BucketLayout:
             large_leaf_alone: A leaf of at least its bucket's cap closes the open bucket (of its
                 dtype) first and is a bucket of its own; default False, DDP's rule (it joins the
                 open bucket).
-            last_bucket_pieces: The last bucket cut into this many buckets of consecutive leaves,
-                as even in leaf count as can be (at most one per leaf); default 1, DDP's. A
+            last_bucket_pieces: The last bucket (the last whose all-reduce runs: with one dtype,
+                the backward pass's last gradients) cut into this many buckets of consecutive
+                leaves, as even in leaf count as can be (at most one per leaf); default 1, DDP's. A
                 collective that holds the backward pass's last bucket together splits XLA's
                 fusions of its residual additions with BatchNorm's reductions on ResNet-50, and
                 smaller groups split fewer (``benchmarks/NOTES.md``, change 31).

@@ -71,14 +71,20 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
     Returns:
         A function of ``fun``'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
         with ``has_aux``), the gradients (and with ``reduce_aux`` the aux leaves) summed.
+
+    Raises:
+        ValueError: ``hold`` is not one of :data:`HOLDS`, or ``last_bucket_pieces`` is below 1.
+        TypeError: ``large_leaf_alone`` is not a bool, or ``last_bucket_pieces`` not a whole number.
     """
     if hold not in HOLDS:
         raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
     if not isinstance(large_leaf_alone, bool):
         raise TypeError(f"value_and_grad_overlapped: large_leaf_alone must be True or False, got {large_leaf_alone!r}")
-    if isinstance(last_bucket_pieces, bool) or not isinstance(last_bucket_pieces, int) or last_bucket_pieces < 1:
-        raise ValueError(f"value_and_grad_overlapped: last_bucket_pieces must be a whole number >= 1, "
-                         f"got {last_bucket_pieces!r}")
+    if isinstance(last_bucket_pieces, bool) or not isinstance(last_bucket_pieces, int):
+        raise TypeError(f"value_and_grad_overlapped: last_bucket_pieces must be a whole number >= 1, "
+                        f"got {last_bucket_pieces!r}")
+    if last_bucket_pieces < 1:
+        raise ValueError(f"value_and_grad_overlapped: last_bucket_pieces must be >= 1, got {last_bucket_pieces!r}")
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):

@@ -418,6 +418,8 @@ def test_value_and_grad_overlapped_cuts_its_last_bucket():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="last_bucket_pieces"):
         jax_blink.value_and_grad_overlapped(loss, "data", last_bucket_pieces=0)
+    with pytest.raises(TypeError, match="last_bucket_pieces"):
+        jax_blink.value_and_grad_overlapped(loss, "data", last_bucket_pieces=2.5)
 
 
 def test_bucket_packing_barrier_holds_each_leaf_of_an_overlapped_bucket_apart():

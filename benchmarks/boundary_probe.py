@@ -54,6 +54,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_blink.api.buckets import consecutive_groups
 from jax_blink.tools.arguments import UsageError, output_folder
 
 #: The last bucket cut into this many groups of consecutive leaves (``leaves-last-K``).
@@ -139,7 +140,7 @@ def boundary(mode: str, tree, layout):
             if (shape.startswith("leaves-last") and b != last) or (shape == "leaves-but-last" and b == last):
                 continue
             slots = [s for s in bucket.slots if shape != "leaves-grads" or s.path.startswith("['grads']")]
-            for group in _cut(slots, cuts):
+            for group in consecutive_groups(slots, cuts):
                 held = hold([leaves[s.leaf] for s in group])
                 for s, v in zip(group, held):
                     leaves[s.leaf] = v
@@ -160,13 +161,6 @@ def _tree_packed(tree, cap_bytes: int, packing: str):
             for i, v in zip(group, _packing.split(flat, [leaves[i].shape for i in group], platform)):
                 leaves[i] = v
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _cut(items: list, k: int) -> list[list]:
-    """``items`` in at most ``k`` groups of consecutive items, as even as can be; no empty group."""
-    k = max(1, min(k, len(items)))
-    bounds = [len(items) * i // k for i in range(k + 1)]
-    return [items[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def kernels(hlo_text: str) -> collections.Counter:

@@ -151,10 +151,7 @@ class BucketLayout:
             raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
         if not isinstance(large_leaf_alone, (bool, np.bool_)):
             raise TypeError(f"large_leaf_alone must be True or False, got {large_leaf_alone!r}")
-        if isinstance(last_bucket_pieces, (bool, np.bool_)) or not isinstance(last_bucket_pieces, (int, np.integer)):
-            raise TypeError(f"last_bucket_pieces must be a whole number >= 1, got {last_bucket_pieces!r}")
-        if last_bucket_pieces < 1:
-            raise ValueError(f"last_bucket_pieces must be >= 1, got {last_bucket_pieces!r}")
+        last_bucket_pieces = check_last_bucket_pieces(last_bucket_pieces)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if not with_paths:
             raise ValueError("BucketLayout.of: the tree has no leaves")
@@ -185,7 +182,7 @@ class BucketLayout:
         pieces = 1
         if last_bucket_pieces > 1:
             *closed, last = closed
-            groups = _cut(last.slots, int(last_bucket_pieces))
+            groups = consecutive_groups(last.slots, last_bucket_pieces)
             closed += [Bucket(last.dtype, _restarted(group)) for group in groups]
             pieces = len(groups)
         return cls(treedef, tuple(closed), int(bucket_bytes), int(first), reversed_order, bool(large_leaf_alone),
@@ -259,11 +256,26 @@ class BucketLayout:
         return "\n".join(parts)
 
 
-def _cut(slots: Sequence[Slot], k: int) -> list[list[Slot]]:
-    """``slots`` in at most ``k`` groups of consecutive slots, as even in count as can be; none empty."""
-    k = min(k, len(slots))
-    bounds = [len(slots) * i // k for i in range(k + 1)]
-    return [list(slots[a:b]) for a, b in zip(bounds, bounds[1:])]
+def consecutive_groups(items: Sequence, k: int) -> list[list]:
+    """``items`` in at most ``k`` groups of consecutive items, as even in count as can be: one per
+    item where there are fewer than ``k``, none empty (no group for no items)."""
+    k = max(1, min(k, len(items)))
+    bounds = [len(items) * i // k for i in range(k + 1)]
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def check_last_bucket_pieces(value) -> int:
+    """``value`` as a count of pieces for the last bucket (:meth:`BucketLayout.of`).
+
+    Raises:
+        TypeError: ``value`` is not a whole number (a bool is not).
+        ValueError: ``value`` is below 1.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"last_bucket_pieces must be a whole number >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"last_bucket_pieces must be >= 1, got {value!r}")
+    return int(value)
 
 
 def _restarted(slots: Sequence[Slot]) -> tuple[Slot, ...]:

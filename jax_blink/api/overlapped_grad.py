@@ -80,11 +80,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
     if not isinstance(large_leaf_alone, bool):
         raise TypeError(f"value_and_grad_overlapped: large_leaf_alone must be True or False, got {large_leaf_alone!r}")
-    if isinstance(last_bucket_pieces, bool) or not isinstance(last_bucket_pieces, int):
-        raise TypeError(f"value_and_grad_overlapped: last_bucket_pieces must be a whole number >= 1, "
-                        f"got {last_bucket_pieces!r}")
-    if last_bucket_pieces < 1:
-        raise ValueError(f"value_and_grad_overlapped: last_bucket_pieces must be >= 1, got {last_bucket_pieces!r}")
+    last_bucket_pieces = _buckets.check_last_bucket_pieces(last_bucket_pieces)  # before any trace
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):

@@ -46,14 +46,14 @@ def join(xs, platform: str | None = None):
     concatenation without barriers (a bucket that XLA's own all-reduce sums)."""
     if len(xs) == 1:
         return xs[0].reshape(-1)
-    if platform is None or not uses_kernel(platform):
-        if platform is not None and config.bucket_packing == "barrier":
-            # A barrier per leaf, the form measured (change 31): no producer of a leaf can then be
-            # fused into the concatenation, and no leaf waits for another before it.
-            xs = [lax.optimization_barrier(x) for x in xs]
-        return _concatenated(xs)
-    flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)
-    return jax.ffi.ffi_call(TARGET_PACK, flat_type)(*xs)
+    if platform is not None and uses_kernel(platform):
+        flat_type = jax.eval_shape(_concatenated, xs)  # the concatenation's type (varying under shard_map)
+        return jax.ffi.ffi_call(TARGET_PACK, flat_type)(*xs)
+    if platform is not None and config.bucket_packing == "barrier":
+        # A barrier per leaf, the form measured (change 31): no producer of a leaf can then be
+        # fused into the concatenation, and no leaf waits for another before it.
+        xs = [lax.optimization_barrier(x) for x in xs]
+    return _concatenated(xs)
 
 
 def split(flat, shapes, platform: str | None = None) -> list:

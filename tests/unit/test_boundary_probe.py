@@ -81,8 +81,10 @@ def test_bad_arguments_are_refused(argv, needle):
 @pytest.mark.parametrize("n,k,sizes", [(81, 2, [40, 41]), (81, 40, [2] * 39 + [3]), (3, 16, [1, 1, 1]),
                                        (5, 1, [5]), (0, 4, [])])
 def test_the_last_bucket_cut_into_groups(n, k, sizes):
-    """leaves-last-K: at most K groups of consecutive leaves, in order, none empty, every leaf once."""
-    groups = probe._cut(list(range(n)), k)
+    """leaves-last-K (and BucketLayout.of's last_bucket_pieces): at most K groups of consecutive
+    leaves, in order, none empty, every leaf once."""
+    from jax_blink.api.buckets import consecutive_groups
+    groups = consecutive_groups(list(range(n)), k)
     assert [len(g) for g in groups] == sizes
     assert [x for g in groups for x in g] == list(range(n))
 

@@ -54,7 +54,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_blink.api.buckets import consecutive_groups
+from jax_blink.switch.merge import consecutive_groups
 from jax_blink.tools.arguments import UsageError, output_folder
 
 #: The last bucket cut into this many groups of consecutive leaves (``leaves-last-K``).

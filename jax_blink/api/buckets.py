@@ -35,6 +35,8 @@ from jax_blink.lowering import jaxpr_steps
 from jax_blink.lowering import packing as _packing
 from jax_blink.lowering.mesh import platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+from jax_blink.options.settings import check_piece_count
+from jax_blink.switch.merge import consecutive_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +258,6 @@ class BucketLayout:
         return "\n".join(parts)
 
 
-def consecutive_groups(items: Sequence, k: int) -> list[list]:
-    """``items`` in at most ``k`` groups of consecutive items, as even in count as can be: one per
-    item where there are fewer than ``k``, none empty (no group for no items)."""
-    k = max(1, min(k, len(items)))
-    bounds = [len(items) * i // k for i in range(k + 1)]
-    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
 def check_last_bucket_pieces(value) -> int:
     """``value`` as a count of pieces for the last bucket (:meth:`BucketLayout.of`).
 
@@ -271,11 +265,7 @@ def check_last_bucket_pieces(value) -> int:
         TypeError: ``value`` is not a whole number (a bool is not).
         ValueError: ``value`` is below 1.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"last_bucket_pieces must be a whole number >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"last_bucket_pieces must be >= 1, got {value!r}")
-    return int(value)
+    return check_piece_count("last_bucket_pieces", value)
 
 
 def _restarted(slots: Sequence[Slot]) -> tuple[Slot, ...]:

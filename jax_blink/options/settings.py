@@ -128,6 +128,20 @@ def _check_merge_bytes(value) -> int:
     return int(value)
 
 
+def check_piece_count(name: str, value) -> int:
+    """``value`` as a count of calls that a bucket is cut into (``name`` says whose, in the message).
+
+    Raises:
+        TypeError: ``value`` is not a whole number (a bool is not).
+        ValueError: ``value`` is below 1.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number >= 1, {_got(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 (1: the bucket whole), {_got(value)}")
+    return int(value)
+
+
 # Every option, with the check that a value must pass to be set. A check returns the value to store
 # (plain Python types) or raises TypeError (wrong kind of value) / ValueError (out of range), naming
 # the option, the value and what it takes.
@@ -142,6 +156,7 @@ _CHECKS = {
     "switch_overlap": _flag("switch_overlap"),
     "switch_late_last_wait": _flag("switch_late_last_wait"),
     "switch_sparse_gradients": _flag("switch_sparse_gradients"),
+    "switch_last_bucket_pieces": lambda value: check_piece_count("switch_last_bucket_pieces", value),
     "bucket_packing": _choice("bucket_packing", BUCKET_PACKINGS),
 }
 
@@ -197,6 +212,15 @@ class Options:
             and a tied embedding's dense part starts early
             (``JAX_BLINK_SWITCH_SPARSE_GRADIENTS``, default False: on 4 x H200 GPT-2 small's step
             was level with it on, 0.9% slower on 2; :mod:`jax_blink.switch.sparse`).
+        switch_last_bucket_pieces: With ``switch_overlap``, the last bucket to start (the
+            backward pass's last gradients) is cut into this many calls of consecutive operands,
+            as :meth:`jax_blink.api.buckets.BucketLayout.of`'s ``last_bucket_pieces`` cuts a
+            layout's (``JAX_BLINK_SWITCH_LAST_BUCKET_PIECES``, default 1: the bucket whole). On
+            ResNet-50 a call that holds that bucket whole splits XLA's fusions of the residual
+            additions with BatchNorm's reductions: 0.69 ms of a 36.5 ms step on one H200, and
+            nothing measurable in 16 pieces (``benchmarks/NOTES.md``, change 32). A step whose
+            own buckets are flat buffers needs them cut too: the switch cuts between operands,
+            never inside one.
         bucket_packing: How the executor's call of several leaves (a bucket of
             :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
             switch) packs them into its flat operand and back: ``"barrier"`` (XLA's concatenation
@@ -224,6 +248,7 @@ class Options:
     switch_overlap: bool = True  # the switch: gradient all-reduces started inside the backward pass
     switch_late_last_wait: bool = False  # the switch: the last bucket's wait after the other updates
     switch_sparse_gradients: bool = False  # the switch: embedding gradients gathered, not summed dense
+    switch_last_bucket_pieces: int = 1  # the switch: the last bucket to start, in this many calls
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
     bucket_packing: str = "barrier"  # a bucket's leaves into the executor's flat operand: "barrier", "xla" or "kernel"
 
@@ -256,6 +281,12 @@ def parse_byte_count(text: str) -> int:
             or int(digits) << _UNITS[unit] >= 1 << 63:
         raise ValueError(f"not a byte count: {text!r} (examples: 65536, 512K, 16M, 1G)")
     return int(digits) << _UNITS[unit]
+
+
+def _parse_whole(text: str) -> int:
+    if not text.strip().isascii() or not text.strip().isdigit():
+        raise ValueError("not a whole number")
+    return int(text)
 
 
 def _parse_seconds(text: str) -> float:
@@ -298,6 +329,8 @@ _ENV_OPTIONS = {
     "JAX_BLINK_SWITCH_OVERLAP": ("switch_overlap", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_SWITCH_LATE_LAST_WAIT": ("switch_late_last_wait", _parse_flag, "1/true/yes/on or 0/false/no/off"),
     "JAX_BLINK_SWITCH_SPARSE_GRADIENTS": ("switch_sparse_gradients", _parse_flag, "1/true/yes/on or 0/false/no/off"),
+    "JAX_BLINK_SWITCH_LAST_BUCKET_PIECES": ("switch_last_bucket_pieces", _parse_whole,
+                                            "a whole number >= 1 (1: the bucket whole)"),
     "JAX_BLINK_BUCKET_PACKING": ("bucket_packing", str.lower, " / ".join(BUCKET_PACKINGS)),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the

@@ -21,6 +21,8 @@ the replaced equations' own variables, so result types are unchanged.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from jax.extend.core import Primitive
 
@@ -126,4 +128,14 @@ def merge_groups(avals, cap_bytes: int) -> list[list[int]]:
     return groups
 
 
-__all__ = ["MERGEABLE", "all_reduce_key", "merge_all_reduces", "merge_groups", "merged_all_reduce_p", "operand_bytes"]
+def consecutive_groups(items: Sequence, k: int) -> list[list]:
+    """``items`` in at most ``k`` groups of consecutive items, as even in count as can be: one per
+    item where there are fewer than ``k``, none empty (no group for no items). How a last bucket
+    is cut into calls (``config.switch_last_bucket_pieces``, ``BucketLayout.of(last_bucket_pieces=)``)."""
+    k = max(1, min(k, len(items)))
+    bounds = [len(items) * i // k for i in range(k + 1)]
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+__all__ = ["MERGEABLE", "all_reduce_key", "consecutive_groups", "merge_all_reduces", "merge_groups",
+           "merged_all_reduce_p", "operand_bytes"]

@@ -123,11 +123,14 @@ def _is_heavy(eqn) -> bool:
             or bool(_jx.nested_jaxprs(eqn)))
 
 
-def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> Rewrite:
+def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False,
+                        last_bucket_pieces: int = 1) -> Rewrite:
     """``jaxpr`` (a shard_map body, a core.Jaxpr) with its gradient all-reduces started early (the
     module's docstring); ``cap_bytes``: most bytes per rank in one bucket (0, merging turned off:
     one all-reduce per bucket); ``late_last_wait``:
-    wait for the last bucket only after everything that does not read it (:func:`_late_wait`)."""
+    wait for the last bucket only after everything that does not read it (:func:`_late_wait`);
+    ``last_bucket_pieces``: the last bucket to be ready cut into that many buckets of consecutive
+    all-reduces, in readiness order (at most one per all-reduce)."""
     eqns = list(jaxpr.eqns)
     n = len(eqns)
     made_by = _jx.producers(eqns)
@@ -167,11 +170,10 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False) -> 
         return Rewrite(jaxpr, 0, 0, f"another collective ({blocking[0]}) would run between the starts",
                        blocked=True)
 
-    buckets = _buckets(eqns, sorted(chosen, key=lambda i: (ready[i], i)), cap_bytes)
+    buckets = _by_readiness(_buckets(eqns, sorted(chosen, key=lambda i: (ready[i], i)), cap_bytes), ready)
+    if last_bucket_pieces > 1:  # one call holding the last bucket whole splits XLA's fusions (change 32)
+        buckets = _by_readiness(buckets[:-1] + _merge.consecutive_groups(buckets[-1], last_bucket_pieces), ready)
     bucket_ready = [max(ready[i] for i in b) for b in buckets]
-    order = sorted(range(len(buckets)), key=lambda b: (bucket_ready[b], b))
-    buckets = [buckets[b] for b in order]
-    bucket_ready = [bucket_ready[b] for b in order]
     if not any(bucket_ready[0] < i <= last and i not in feeders and i not in early and _is_heavy(eqns[i])
                for i in range(n)):
         return Rewrite(jaxpr, 0, 0, "nothing to overlap: no matrix product, convolution or nested call "
@@ -293,6 +295,12 @@ def _readiness(eqns, moved, made_by, summed) -> dict[int, int]:
             continue
         ready[j] = max((ready[made_by[v]] for v in e.invars if _jx.is_var(v) and v in made_by), default=-1)
     return ready
+
+
+def _by_readiness(buckets: list[list[int]], ready: dict[int, int]) -> list[list[int]]:
+    """``buckets`` in the order they become ready (the step that makes a bucket's last operand);
+    buckets ready at one step keep their order."""
+    return sorted(buckets, key=lambda b: max(ready[i] for i in b))
 
 
 def _buckets(eqns, ordered: list[int], cap_bytes: int) -> list[list[int]]:

@@ -83,7 +83,7 @@ def test_bad_arguments_are_refused(argv, needle):
 def test_the_last_bucket_cut_into_groups(n, k, sizes):
     """leaves-last-K (and BucketLayout.of's last_bucket_pieces): at most K groups of consecutive
     leaves, in order, none empty, every leaf once."""
-    from jax_blink.api.buckets import consecutive_groups
+    from jax_blink.switch.merge import consecutive_groups
     groups = consecutive_groups(list(range(n)), k)
     assert [len(g) for g in groups] == sizes
     assert [x for g in groups for x in g] == list(range(n))

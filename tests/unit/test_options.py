@@ -35,6 +35,7 @@ GOOD = {
     "switch_overlap": [(True, True), (False, False), (np.bool_(False), False)],
     "switch_late_last_wait": [(True, True), (False, False)],
     "switch_sparse_gradients": [(True, True), (False, False)],
+    "switch_last_bucket_pieces": [(1, 1), (16, 16), (np.int64(4), 4)],
     "bucket_packing": [("barrier", "barrier"), ("xla", "xla"), ("kernel", "kernel")],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
@@ -71,6 +72,9 @@ BAD = [
     ("switch_overlap", "on", TypeError, "True or False"),
     ("switch_late_last_wait", 0, TypeError, "switch_late_last_wait must be True or False"),
     ("switch_sparse_gradients", "yes", TypeError, "switch_sparse_gradients must be True or False"),
+    ("switch_last_bucket_pieces", 0, ValueError, "switch_last_bucket_pieces must be >= 1"),
+    ("switch_last_bucket_pieces", 2.0, TypeError, "switch_last_bucket_pieces must be a whole number"),
+    ("switch_last_bucket_pieces", True, TypeError, "switch_last_bucket_pieces must be a whole number"),
     ("bucket_packing", "kernels", ValueError, "bucket_packing must be one of ('barrier', 'xla', 'kernel')"),
     ("bucket_packing", True, TypeError, "bucket_packing must be one of"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
@@ -170,6 +174,7 @@ def test_options_from_the_environment():
     assert options.Options().command_buffers == "auto"  # the default
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "0"}).merge_bytes == 0
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "4M"}).merge_bytes == 4 << 20
+    assert options._from_env({"JAX_BLINK_SWITCH_LAST_BUCKET_PIECES": " 16 "}).switch_last_bucket_pieces == 16
 
 
 @pytest.mark.parametrize("name,text,words", [
@@ -188,6 +193,9 @@ def test_options_from_the_environment():
     ("JAX_BLINK_FALLBACK", "loud", "fallback must be one of"),
     ("JAX_BLINK_COMMAND_BUFFERS", "maybe", "not 1/true/yes/on or 0/false/no/off"),
     ("JAX_BLINK_MERGE_BYTES", "-1", "not a byte count"),
+    ("JAX_BLINK_SWITCH_LAST_BUCKET_PIECES", "many", "not a whole number"),
+    ("JAX_BLINK_SWITCH_LAST_BUCKET_PIECES", "-2", "not a whole number"),
+    ("JAX_BLINK_SWITCH_LAST_BUCKET_PIECES", "0", "switch_last_bucket_pieces must be >= 1"),
 ])
 def test_a_bad_environment_value_names_the_variable(name, text, words):
     with pytest.raises(ValueError) as info:

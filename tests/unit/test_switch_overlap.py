@@ -121,6 +121,40 @@ def test_merging_off_starts_each_psum_in_a_bucket_of_its_own():
     assert len(started) == calls == 11 and all(d.operands == 1 for d in started), report
 
 
+@pytest.mark.parametrize("cap", [4096, 1 << 20])
+def test_the_last_bucket_cut_into_pieces(cap):
+    """switch_last_bucket_pieces: the last bucket to be ready becomes that many buckets of
+    consecutive all-reduces, each started on its own, the others as they were; the step keeps the
+    unswitched bits. With a cap that holds every gradient (one bucket, nothing to overlap) the
+    cut is what lets the starts overlap."""
+    rng = np.random.default_rng(14)
+    params = _params(rng, exact=True)
+    x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
+    step = _step(_loss(True), pcast=False)
+    body = _body(step, params, x)
+
+    def counts(rewrite):  # operands per start, in start order
+        return [e.params["count"] for e in rewrite.jaxpr.eqns if e.primitive.name == "jax_blink_overlap_start"]
+
+    whole, cut = overlap.overlap_all_reduces(body, cap), overlap.overlap_all_reduces(body, cap, last_bucket_pieces=3)
+    assert cut.operands == 11 and sum(counts(cut)) == 11, cut.reason
+    if cap == 4096:
+        assert counts(whole)[-1] >= 3, whole.reason  # a last bucket of several all-reduces to cut
+        assert counts(cut)[:whole.buckets - 1] == counts(whole)[:-1]
+        tail = counts(cut)[whole.buckets - 1:]
+        assert len(tail) == 3 and sum(tail) == counts(whole)[-1] and max(tail) - min(tail) <= 1, tail
+    else:
+        assert whole.buckets == 0 and "nothing to overlap" in whole.reason, whole.reason
+        assert counts(cut) == [3, 4, 4], counts(cut)  # 11 all-reduces, in readiness order
+    assert overlap._first_unbound(cut.jaxpr) is None
+    with override(merge_bytes=cap, switch_last_bucket_pieces=3):
+        plain, switched, calls, report = _run(step, params, x)
+    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    started = [d for d in report if d.overlapped]
+    assert len(started) == calls == cut.buckets and sum(d.operands for d in started) == 11, report
+
+
 def test_overlapped_step_against_numpy_on_random_floats():
     """Fresh random weights and data (tanh layers): each summed gradient against numpy's float64
     sum of the per-device gradients, and the switched step against the unswitched one."""

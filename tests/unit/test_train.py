@@ -421,6 +421,30 @@ def test_cli_times_the_switchs_site_variants(tmp_path, capsys):
     assert "JAX_BLINK_ASYNC_ENGINE=ce (its sites)" in out and "JAX_BLINK_ASYNC_BLOCKS=8 (its sites)" in out
 
 
+def test_cli_times_the_last_bucket_cut_beside_the_whole(tmp_path, capsys):
+    """--modes switch,switch-last16,switch-tree,switch-tree-last16: the cut modes train as psum
+    does and hold more calls than their base mode (the switch would merge the layout's pieces
+    back into one call but for switch_last_bucket_pieces); the layout of switch-last16 printed."""
+    rc = cli.main(["--model", "resnet", "--collective", "switch", "--steps", "1", "--timing-runs", "1",
+                   "--chain", "1", "--quick-compile", "--modes", "switch,switch-last16,switch-tree,switch-tree-last16",
+                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("train-resnet-tiny-switch-cpu-x8-*.json")]
+    calls = {m: t["jax_blink_calls"] for m, t in record["timing"]["modes"].items()}
+    # The tiny ResNet's gradients fit one bucket: whole, one call; cut, 16 (it has 62 leaves).
+    assert calls["switch"] == calls["switch-tree"] == 1 and calls["switch-last16"] == calls["switch-tree-last16"] == 16, calls
+    assert "gradient buckets of switch-last16: 16 bucket(s)" in out and "the last bucket cut into 16" in out
+    assert "gradient buckets of switch-tree-last16" not in out  # the tree's psum has no buckets of the tool's
+    assert "psum under the switch (overlapped), the last bucket in 16 calls" in out
+    for mode in ("switch-last16", "switch-tree-last16"):
+        assert f"  {mode}: ok" in out
+    assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-last16"]) == [
+        "psum", "overlap-last16", "none", "none-barrier"]
+    with pytest.raises(cli.UsageError, match="does not time overlap-last16"):
+        cli.timed_modes("switch", "blink", "resnet", asked=["overlap-last16"])
+
+
 def test_cli_profile_reports_gpu_spans_and_a_host_bound_step(tmp_path, capsys, monkeypatch):
     """--profile traces every timed mode, the step without all-reduce too; from their GPU spans the
     tool prints each mode's span less that step's, and a note when the GPUs' span is well under the

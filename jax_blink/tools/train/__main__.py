@@ -31,8 +31,9 @@ from pathlib import Path
 
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
 from jax_blink.tools.train.check import UPDATE_RTOL, check_against_psum
-from jax_blink.tools.train.modes import (BASELINES, PACKING_VARIANTS, LABELS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
-                                          SWITCH_OVERLAP, TREE_MODES, overlapped_modes)
+from jax_blink.tools.train.modes import (BASELINES, LAST_BUCKET_VARIANTS, PACKING_VARIANTS, LABELS, MODES,
+                                          OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_OVERLAP, TREE_MODES,
+                                          overlapped_modes)
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -98,16 +99,18 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        packed = [m for m in PACKING_VARIANTS if m in OVERLAP_HOLD]  # the explicit form's
-        modes = ["psum", "blink", *overlapped_modes(hold), *packed, "psum-tree", *BASELINES]
+        variants = [m for m in (*PACKING_VARIANTS, *LAST_BUCKET_VARIANTS) if m in OVERLAP_HOLD]  # the explicit form's
+        modes = ["psum", "blink", *overlapped_modes(hold), *variants, "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
-                                                             *(m for m in PACKING_VARIANTS if m in SWITCH_OVERLAP),
+                                                             *(m for m in (*PACKING_VARIANTS, *LAST_BUCKET_VARIANTS)
+                                                               if m in SWITCH_OVERLAP),
                                                              *TREE_MODES, *BASELINES]
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
-        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS]
+        return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS
+                and m not in LAST_BUCKET_VARIANTS]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
@@ -147,8 +150,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--last-bucket-pieces", type=_positive_int("--last-bucket-pieces"), default=1,
                    help="the last bucket (the backward pass's last gradients) cut into this many buckets of "
                         "consecutive leaves (default 1, DDP's; on ResNet-50 a call holding that bucket whole "
-                        "splits XLA's fusions of the residual additions with BatchNorm's reductions). The "
-                        "psum of the tree (psum-tree, switch-tree*) has no buckets of the tool's")
+                        "splits XLA's fusions of the residual additions with BatchNorm's reductions); "
+                        "under the switch its last bucket too (switch_last_bucket_pieces), the psum of the "
+                        "tree's included. The modes switch-last16, switch-tree-last16 and overlap-last16 "
+                        "take 16 whatever this says, to time the cut beside their base mode in one run")
     p.add_argument("--lr", type=_positive_float("--lr"), help="learning rate (default 0.1 SGD for resnet, 1e-3 AdamW for gpt2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=_positive_int("--devices"),
@@ -359,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       last_bucket_pieces=args.last_bucket_pieces)
     say(f"model: {args.model} {args.size} {cfg}, {dp.param_count:,} parameters")
     say(f"gradient buckets: {dp.layout.describe()}")
+    for mode in (m for m in (args.modes or ()) if m in LAST_BUCKET_VARIANTS and m not in TREE_MODES):
+        say(f"gradient buckets of {mode}: {dp.layout_of(mode).describe().splitlines()[0]}")
     if args.explain and n > 1:
         from jax_blink.lowering.custom_call import default_topology
         from jax_blink.options.settings import override

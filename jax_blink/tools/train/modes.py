@@ -8,7 +8,8 @@ from __future__ import annotations
 #: that what the collective itself costs is told apart from what its boundary does to the fusions.
 BASELINES = ("none", "none-barrier")
 #: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
-SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False}
+SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False,
+                   "switch_last_bucket_pieces": 1}
 #: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
@@ -51,6 +52,23 @@ for _mode, (_base, _packing) in PACKING_VARIANTS.items():
         TREE_MODES.append(_mode)
 TREE_MODES = tuple(TREE_MODES)
 del _mode, _base, _packing
+#: Modes that are another mode with the backward pass's last bucket cut into this many calls of
+#: consecutive leaves, timed when asked for, beside the base mode in one run: on ResNet-50 a call
+#: holding that bucket whole splits XLA's fusions of the residual additions with BatchNorm's
+#: reductions (lab notes, change 32). The tool's buckets are cut in its layout
+#: (``BucketLayout.of(last_bucket_pieces=)``), and under the switch its last bucket too
+#: (``switch_last_bucket_pieces``: the switch re-buckets the step's psums, and would merge the
+#: layout's pieces back into one call). Mode: (base mode, pieces).
+LAST_BUCKET_VARIANTS = {"switch-last16": ("switch", 16), "switch-tree-last16": ("switch-tree", 16),
+                        "overlap-last16": ("overlap", 16)}
+for _mode, (_base, _pieces) in LAST_BUCKET_VARIANTS.items():
+    if _base in SWITCH_OVERLAP:
+        SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "switch_last_bucket_pieces": _pieces}
+    if _base in OVERLAP_HOLD:
+        OVERLAP_HOLD[_mode] = OVERLAP_HOLD[_base]
+    if _base in TREE_MODES:
+        TREE_MODES += (_mode,)
+del _mode, _base, _pieces
 #: Every mode and what the tool's table calls it.
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
@@ -66,9 +84,12 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "none": "no all-reduce", "none-barrier": "no all-reduce, buckets behind a barrier"}
 _PACKED_BY = {"kernel": "packed by the copy kernel", "xla": "XLA's packing fused with the leaves' producers"}
 LABELS.update({m: f"{LABELS[base]}, {_PACKED_BY[packing]}" for m, (base, packing) in PACKING_VARIANTS.items()})
+LABELS.update({m: f"{LABELS[base]}, the last bucket in {pieces} calls"
+               for m, (base, pieces) in LAST_BUCKET_VARIANTS.items()})
 MODES = tuple(LABELS)
 
 
 def overlapped_modes(hold: str) -> list[str]:
     """The overlapped modes that the tool's ``--hold`` (recent, all or both) names."""
-    return [m for m, h in OVERLAP_HOLD.items() if hold in (h, "both") and m not in PACKING_VARIANTS]
+    return [m for m, h in OVERLAP_HOLD.items()
+            if hold in (h, "both") and m not in PACKING_VARIANTS and m not in LAST_BUCKET_VARIANTS]

@@ -54,8 +54,8 @@ from jax_blink.tools.scoped_env import environment
 from jax_blink.tools.train import data as _data
 from jax_blink.tools.train.models import MODELS, build, optimizer
 
-from jax_blink.tools.train.modes import (BASELINES, MODE_OPTIONS, MODES, OVERLAP_HOLD, SITE_ENVIRONMENT,
-                                          SWITCH_DEFAULTS, SWITCH_OVERLAP, TREE_MODES)
+from jax_blink.tools.train.modes import (BASELINES, LAST_BUCKET_VARIANTS, MODE_OPTIONS, MODES, OVERLAP_HOLD,
+                                          SITE_ENVIRONMENT, SWITCH_DEFAULTS, SWITCH_OVERLAP, TREE_MODES)
 
 
 def build_loss(model: str):
@@ -99,13 +99,15 @@ def reducer(mode: str, axis: str, stream: int | None = None) -> Callable[[jax.Ar
 
 
 @contextlib.contextmanager
-def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | None = None):
+def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | None = None,
+                     last_bucket_pieces: int = 1):
     """What must be in force while a mode's step is traced and lowered: the dispatch option for
     jax_blink's calls (``blink`` runs the executor even where ``auto`` would pick psum: on CPU host
     devices it picks psum at 4 and 8 ranks; ``switch-auto`` always takes ``auto``), and the switch
     for ``switch`` (overlapping), ``switch-late`` (overlapping, the last bucket's wait late) and
     ``switch-sync`` (not), whose buckets (``merge_bytes``) take ``bucket_bytes`` where given (the
-    step's own DDP cap)."""
+    step's own DDP cap) and whose last bucket is cut into ``last_bucket_pieces`` calls
+    (``switch_last_bucket_pieces``, unless the mode sets its own)."""
     if mode in ("psum", "psum-tree", *BASELINES):
         yield
         return
@@ -116,7 +118,8 @@ def lowering_context(mode: str, dispatch: str = "blink", bucket_bytes: int | Non
                                    "issue 15), which this jax_blink does not have")
             import jax_blink
             caps = {} if bucket_bytes is None else {"merge_bytes": bucket_bytes}
-            options = {**SWITCH_DEFAULTS, **{k: v for k, v in SWITCH_OVERLAP[mode].items() if k != "dispatch"}}
+            options = {**SWITCH_DEFAULTS, "switch_last_bucket_pieces": last_bucket_pieces,
+                       **{k: v for k, v in SWITCH_OVERLAP[mode].items() if k != "dispatch"}}
             with jax_blink.installed(), override(**options, **caps):
                 yield
         else:
@@ -159,12 +162,30 @@ class DataParallel:
                         for b in _data.batches(model, cfg, cfg.batch * self.n, data_batches, seed)]
         # Buckets in the order the backward pass makes the gradients (GPT-2's tied embedding, first
         # in leaf order reversed, is summed last), as DDP rebuilds its buckets after one iteration.
-        self.layout = _buckets.BucketLayout.of(
-            {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
-            first_bucket_bytes, order=self._gradient_order(), large_leaf_alone=large_leaf_alone,
-            last_bucket_pieces=last_bucket_pieces)
+        self._order = self._gradient_order()
+        self.layout = self._layout(last_bucket_pieces, bucket_bytes, first_bucket_bytes, large_leaf_alone)
+        self._layouts: dict[int, _buckets.BucketLayout] = {}  # layout_of's, by last-bucket pieces
         self._compiled: dict[str, object] = {}
         self._sites_set_up: set[str] = set()  # modes of SITE_ENVIRONMENT that have run once
+
+    def _layout(self, last_bucket_pieces: int, bucket_bytes: int, first_bucket_bytes: int | None,
+                large_leaf_alone: bool) -> _buckets.BucketLayout:
+        return _buckets.BucketLayout.of(
+            {"grads": self.state0["params"], "stats": self.state0["stats"]}, bucket_bytes,
+            first_bucket_bytes, order=self._order, large_leaf_alone=large_leaf_alone,
+            last_bucket_pieces=last_bucket_pieces)
+
+    def layout_of(self, mode: str) -> _buckets.BucketLayout:
+        """The buckets ``mode`` sums: :attr:`layout`, or for a mode of :data:`LAST_BUCKET_VARIANTS`
+        the same with the last bucket cut into that mode's pieces."""
+        if mode not in LAST_BUCKET_VARIANTS:
+            return self.layout
+        pieces = LAST_BUCKET_VARIANTS[mode][1]
+        if pieces not in self._layouts:
+            base = self.layout
+            self._layouts[pieces] = self._layout(pieces, base.bucket_bytes, base.first_bucket_bytes,
+                                                 base.large_leaf_alone)
+        return self._layouts[pieces]
 
     def _gradient_order(self) -> list[int]:
         """The leaves of ``{"grads", "stats"}`` in the order one device's step computes them
@@ -195,7 +216,7 @@ class DataParallel:
         if combine is not None and mode != "none":
             raise ValueError(f"combine= replaces the step's sum of the gradients only in mode 'none', not {mode!r}")
         reduce_bucket = reducer(mode, self.axis, self.stream if mode == "blink" else None)
-        graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout,
+        graphdef, loss_fn, tx, layout, axis, n = (self.graphdef, self.loss_fn, self.tx, self.layout_of(mode),
                                                   self.axis, self.n)
         # `none` leaves each device's parameters its own: shard_map may not check replication.
         check = mode not in BASELINES
@@ -240,7 +261,7 @@ class DataParallel:
     def compiled(self, mode: str):
         """The compiled step of ``mode`` (lowered under the mode's context, cached)."""
         if mode not in self._compiled:
-            with lowering_context(mode, self.dispatch, self.layout.bucket_bytes):
+            with lowering_context(mode, self.dispatch, self.layout.bucket_bytes, self.layout.last_bucket_pieces):
                 self._compiled[mode] = self.step_fn(mode).lower(self.state0, self.batches[0]).compile(
                     compiler_options=self.compiler_options)
         return self._compiled[mode]

@@ -28,6 +28,10 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   ``"barrier"``, held by one barrier (the stand-in for the call) and split back: the switch's
   merged calls without their communication, where XLA fused GPT-2 medium's bias and LayerNorm
   reductions into the packing (change 31 of the lab notes);
+- ``flat-barrier``, ``call-flat-barrier``: ``flat`` and ``call-flat`` with each bucket packed as
+  jax_blink packs the buckets of :func:`jax_blink.value_and_grad_overlapped` and of the switch by
+  default (``bucket_packing="barrier"``: each leaf behind a barrier of its own, then XLA's
+  concatenation): whether that packing still splits the fusions that ``flat`` splits;
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -61,7 +65,8 @@ from jax_blink.tools.arguments import UsageError, output_folder
 LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
          "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
-         *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier")
+         *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier",
+         "flat-barrier", "call-flat-barrier")
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -128,6 +133,11 @@ def boundary(mode: str, tree, layout):
     hold = identity_call if mode.startswith("call-") else (lambda vs: list(lax.optimization_barrier(vs)))
     if shape == "flat":
         return layout.unpack([hold([b])[0] for b in layout.pack(tree)])
+    if shape == "flat-barrier":  # packed as jax_blink's own buckets are by default (bucket_packing="barrier")
+        from jax_blink.options import override
+        platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+        with override(bucket_packing="barrier"):
+            return layout.unpack([hold([b])[0] for b in layout.pack(tree, platform)], platform)
     if shape == "tree":
         return lax.optimization_barrier(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -104,3 +104,17 @@ def test_the_tree_packed_as_the_switch_merges_it(dp):
         counts[m] = len(re.findall(r"stablehlo\.optimization_barrier", text))
     assert counts["tree-packed"] == len(groups)
     assert counts["tree-packed-barrier"] == len(groups) + sum(len(g) for g in groups if len(g) > 1)
+
+
+def test_flat_barrier_packs_each_leaf_behind_a_barrier(dp):
+    """flat-barrier: one barrier per bucket, as flat, and one more per leaf of every bucket of
+    several leaves (jax_blink's default packing); flat has none of those."""
+    import re
+    counts = {}
+    for m in ("flat", "flat-barrier"):
+        text = dp.step_fn("none", combine=lambda t, m=m: probe.boundary(m, t, dp.layout)).lower(
+            dp.state0, dp.batches[0]).as_text()
+        counts[m] = len(re.findall(r"stablehlo\.optimization_barrier", text))
+    buckets = dp.layout.buckets
+    assert counts["flat"] == len(buckets)
+    assert counts["flat-barrier"] == len(buckets) + sum(len(b.slots) for b in buckets if len(b.slots) > 1)

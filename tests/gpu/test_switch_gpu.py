@@ -47,9 +47,9 @@ def test_switch_on_gpus(name):
 
 
 def _switched(step, *args, **options):
-    """``step`` compiled under the switch (the executor forced, buckets of at most 32 KiB, and
-    ``options``), its result on ``args`` and the switch's report."""
-    with jax_blink.installed(), override(dispatch="blink", merge_bytes=32 << 10, **options):
+    """``step`` compiled under the switch (the executor forced, buckets of at most 32 KiB unless
+    ``options`` say otherwise, and ``options``), its result on ``args`` and the switch's report."""
+    with jax_blink.installed(), override(**{"dispatch": "blink", "merge_bytes": 32 << 10, **options}):
         jax_blink.switch_report(clear=True)
         compiled = step.lower(*args).compile()
         got = compiled(*args)
@@ -98,6 +98,46 @@ def test_switch_overlaps_a_training_steps_gradients(count, pcast):
         again = compiled(params, x)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_switch_cuts_its_last_bucket_on_gpus(count):
+    """switch_last_bucket_pieces=4: the last bucket to start becomes several starts on the side
+    stream (more jax_blink_start calls than with the bucket whole), every gradient still summed
+    once, and the step gives the unswitched step's bits, again on reuse."""
+    gpus = _gpus()
+    if len(gpus) < count or not jax_blink.backends()["gpu"]:
+        pytest.skip(f"needs {count}+ GPUs and the CUDA executor")
+    mesh = jax.make_mesh((count,), ("x",), devices=gpus[:count])
+    rng = np.random.default_rng(40 + count)
+    params = [{"w": jnp.asarray(rng.integers(-1, 2, (64, 64)), jnp.float32),
+               "b": jnp.asarray(rng.integers(-1, 2, (64,)), jnp.float32)} for _ in range(6)]
+    x = jax.device_put(jnp.asarray(rng.integers(-2, 3, (count, 8, 64)), jnp.float32), NamedSharding(mesh, P("x")))
+
+    def loss(ps, v):
+        for layer in ps:
+            v = v @ layer["w"] + layer["b"]
+        return jnp.sum(v)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("x")), out_specs=P(), check_vma=False)
+    def step(ps, xs):
+        return jax.tree.map(lambda p, g: p - g, ps, lax.psum(jax.grad(loss)(ps, xs[0]), "x"))
+
+    want = step(params, x)
+    starts = {}
+    for pieces in (1, 4):
+        # One bucket of every gradient (96 KiB): whole, nothing to overlap; cut, four starts.
+        compiled, got, report = _switched(step, params, x, merge_bytes=1 << 20, switch_last_bucket_pieces=pieces)
+        starts[pieces] = compiled.as_text().count('custom_call_target="jax_blink_start"')
+        if pieces > 1:
+            assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        again = compiled(params, x)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert starts[1] == 0 and starts[4] == 4, starts
 
 
 @pytest.mark.parametrize("count", [2, 3, 4])

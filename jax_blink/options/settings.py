@@ -217,10 +217,11 @@ class Options:
             as :meth:`jax_blink.api.buckets.BucketLayout.of`'s ``last_bucket_pieces`` cuts a
             layout's (``JAX_BLINK_SWITCH_LAST_BUCKET_PIECES``, default 1: the bucket whole). On
             ResNet-50 a call that holds that bucket whole splits XLA's fusions of the residual
-            additions with BatchNorm's reductions: 0.69 ms of a 36.5 ms step on one H200, and
-            nothing measurable in 16 pieces (``benchmarks/NOTES.md``, change 32). A step whose
-            own buckets are flat buffers needs them cut too: the switch cuts between operands,
-            never inside one.
+            additions with BatchNorm's reductions (0.69 ms of a 36.5 ms step on one H200, nothing
+            measurable in 16 pieces), but in the switch's program on 2 x H200 16 pieces made the
+            step 0.57-0.83 ms slower: more starts split more (``benchmarks/NOTES.md``, change 32).
+            A step whose own buckets are flat buffers needs them cut too: the switch cuts
+            between operands, never inside one.
         bucket_packing: How the executor's call of several leaves (a bucket of
             :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
             switch) packs them into its flat operand and back: ``"barrier"`` (XLA's concatenation

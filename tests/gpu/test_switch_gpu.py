@@ -57,18 +57,16 @@ def _switched(step, *args, **options):
     return compiled, got, report
 
 
-@pytest.mark.parametrize("count", [2, 3, 4])
-@pytest.mark.parametrize("pcast", [False, True])
-def test_switch_overlaps_a_training_steps_gradients(count, pcast):
-    """An unedited data-parallel step (``lax.psum`` of the gradients, or jax's own transposes of
-    parameters made varying) under the switch: its buckets start on the side stream inside the
-    backward pass (jax_blink_start / jax_blink_done in the compiled program) and the step gives
-    the unswitched step's numbers; small integers in float32 make every sum exact (bit for bit)."""
+def _integer_step(count: int, seed: int, pcast: bool = False):
+    """An unedited data-parallel step over ``count`` GPUs (skipped without them): six 64 x 64 linear
+    layers on small integers in float32, so that every sum is exact; the gradients summed by
+    ``lax.psum`` after the backward pass, or (``pcast``) by jax's own transposes of parameters
+    made varying. Returns the jitted step, the parameters and the sharded batch."""
     gpus = _gpus()
     if len(gpus) < count or not jax_blink.backends()["gpu"]:
         pytest.skip(f"needs {count}+ GPUs and the CUDA executor")
     mesh = jax.make_mesh((count,), ("x",), devices=gpus[:count])
-    rng = np.random.default_rng(count)
+    rng = np.random.default_rng(seed)
     params = [{"w": jnp.asarray(rng.integers(-1, 2, (64, 64)), jnp.float32),
                "b": jnp.asarray(rng.integers(-1, 2, (64,)), jnp.float32)} for _ in range(6)]
     x = jax.device_put(jnp.asarray(rng.integers(-2, 3, (count, 8, 64)), jnp.float32), NamedSharding(mesh, P("x")))
@@ -87,17 +85,31 @@ def test_switch_overlaps_a_training_steps_gradients(count, pcast):
             grads = lax.psum(jax.grad(loss)(ps, xs[0]), "x")
         return jax.tree.map(lambda p, g: p - g, ps, grads)
 
+    return step, params, x
+
+
+def _assert_bitwise(want, got):
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+@pytest.mark.parametrize("pcast", [False, True])
+def test_switch_overlaps_a_training_steps_gradients(count, pcast):
+    """An unedited data-parallel step (``lax.psum`` of the gradients, or jax's own transposes of
+    parameters made varying) under the switch: its buckets start on the side stream inside the
+    backward pass (jax_blink_start / jax_blink_done in the compiled program) and the step gives
+    the unswitched step's numbers, bit for bit."""
+    step, params, x = _integer_step(count, seed=count, pcast=pcast)
     want = step(params, x)
     compiled, got, report = _switched(step, params, x)
     text = compiled.as_text()
     assert text.count('custom_call_target="jax_blink_start"') >= 2, text[:2000]
     assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
-    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _assert_bitwise(want, got)
     for _ in range(3):  # again: the side stream's FIFO and the communicators are reused
         again = compiled(params, x)
-    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _assert_bitwise(want, again)
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -105,25 +117,7 @@ def test_switch_cuts_its_last_bucket_on_gpus(count):
     """switch_last_bucket_pieces=4: the last bucket to start becomes several starts on the side
     stream (more jax_blink_start calls than with the bucket whole), every gradient still summed
     once, and the step gives the unswitched step's bits, again on reuse."""
-    gpus = _gpus()
-    if len(gpus) < count or not jax_blink.backends()["gpu"]:
-        pytest.skip(f"needs {count}+ GPUs and the CUDA executor")
-    mesh = jax.make_mesh((count,), ("x",), devices=gpus[:count])
-    rng = np.random.default_rng(40 + count)
-    params = [{"w": jnp.asarray(rng.integers(-1, 2, (64, 64)), jnp.float32),
-               "b": jnp.asarray(rng.integers(-1, 2, (64,)), jnp.float32)} for _ in range(6)]
-    x = jax.device_put(jnp.asarray(rng.integers(-2, 3, (count, 8, 64)), jnp.float32), NamedSharding(mesh, P("x")))
-
-    def loss(ps, v):
-        for layer in ps:
-            v = v @ layer["w"] + layer["b"]
-        return jnp.sum(v)
-
-    @jax.jit
-    @jax.shard_map(mesh=mesh, in_specs=(P(), P("x")), out_specs=P(), check_vma=False)
-    def step(ps, xs):
-        return jax.tree.map(lambda p, g: p - g, ps, lax.psum(jax.grad(loss)(ps, xs[0]), "x"))
-
+    step, params, x = _integer_step(count, seed=40 + count)
     want = step(params, x)
     starts = {}
     for pieces in (1, 4):
@@ -132,11 +126,8 @@ def test_switch_cuts_its_last_bucket_on_gpus(count):
         starts[pieces] = compiled.as_text().count('custom_call_target="jax_blink_start"')
         if pieces > 1:
             assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
-        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        again = compiled(params, x)
-        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        _assert_bitwise(want, got)
+        _assert_bitwise(want, compiled(params, x))
     assert starts[1] == 0 and starts[4] == 4, starts
 
 

@@ -150,7 +150,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--last-bucket-pieces", type=_positive_int("--last-bucket-pieces"), default=1,
                    help="the last bucket (the backward pass's last gradients) cut into this many buckets of "
                         "consecutive leaves (default 1, DDP's; on ResNet-50 a call holding that bucket whole "
-                        "splits XLA's fusions of the residual additions with BatchNorm's reductions); "
+                        "splits XLA's fusions of the residual additions with BatchNorm's reductions, but 16 "
+                        "pieces made its step slower on 2 x H200); "
                         "under the switch its last bucket too (switch_last_bucket_pieces), the psum of the "
                         "tree's included. The modes switch-last16, switch-tree-last16 and overlap-last16 "
                         "take 16 whatever this says, to time the cut beside their base mode in one run")

@@ -20,7 +20,7 @@ DDP would add it to the open bucket, so the leaves there wait for it: a tied emb
 last, holds back the first block's gradients and adds their bytes to the last all-reduce.
 Another, with ``last_bucket_pieces=K``: the last bucket is cut into K buckets of consecutive
 leaves, since a call that holds the backward pass's last leaves together splits some of XLA's
-fusions there (ResNet-50).
+fusions there (ResNet-50; measured slower in the overlapped step on 2 GPUs all the same).
 """
 from __future__ import annotations
 
@@ -135,7 +135,9 @@ class BucketLayout:
                 leaves, as even in leaf count as can be (at most one per leaf); default 1, DDP's. A
                 collective that holds the backward pass's last bucket together splits XLA's
                 fusions of its residual additions with BatchNorm's reductions on ResNet-50, and
-                smaller groups split fewer (``benchmarks/NOTES.md``, change 31).
+                smaller groups split fewer on one GPU; but in the overlapped step on 2 x H200, 16
+                pieces made ResNet-50's step 0.57-0.83 ms slower, each start splitting fusions of
+                its own (``benchmarks/NOTES.md``, change 32).
 
         Returns:
             The layout.

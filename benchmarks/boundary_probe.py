@@ -32,6 +32,12 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   jax_blink packs the buckets of :func:`jax_blink.value_and_grad_overlapped` and of the switch by
   default (``bucket_packing="barrier"``: each leaf behind a barrier of its own, then XLA's
   concatenation): whether that packing still splits the fusions that ``flat`` splits;
+- ``overlap-calls``, ``overlap-calls-nohold``: not the step of ``none`` but the explicit overlapped
+  step (``value_and_grad_overlapped``, DDP's buckets started inside the backward pass), each
+  start and done an identity custom call: its program without communication, with its holds
+  (``hold="recent"``: the values made since the previous start pass through a barrier with each
+  start) or with none held: which part of the starts splits the fusions that the overlapped
+  step splits beyond psum's (change 32 of the lab notes);
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import statistics
@@ -66,7 +73,10 @@ LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
          "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
          *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier",
-         "flat-barrier", "call-flat-barrier")
+         "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold")
+#: The modes that are not the step of ``none`` with a boundary but the explicit overlapped step
+#: (``value_and_grad_overlapped``) with each start and done an identity custom call.
+OVERLAP_SHAPES = ("overlap-calls", "overlap-calls-nohold")
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -125,6 +135,8 @@ def boundary(mode: str, tree, layout):
         return tree
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    if mode in OVERLAP_SHAPES:
+        raise ValueError(f"{mode} is a step of its own, not a boundary in the step of none: make_steps builds it")
     if mode.endswith("-then-tree"):
         return lax.optimization_barrier(boundary(mode.removesuffix("-then-tree"), tree, layout))
     if mode.startswith("tree-packed"):
@@ -192,11 +204,47 @@ def kernels(hlo_text: str) -> collections.Counter:
     return counts
 
 
+@contextlib.contextmanager
+def calls_for_starts(hold: bool):
+    """While ``value_and_grad_overlapped`` is traced: each bucket's start and done an identity
+    custom call (the start's operand through it; the done of a bucket also takes the last start's
+    operand, as the real done's token), the values that ``hold="recent"`` names passed through a
+    barrier with each start as the real step does, or (``hold=False``) nothing held. The explicit
+    step's program on one device, without communication."""
+    from jax_blink.api import buckets as _b, overlapped_grad as _g
+    from jax_blink.api.overlap import AllReduceHandle
+
+    def start_in_order(buf, started, axis_name, *, full_grid, **kwargs):
+        (passed,) = identity_call([buf])
+        started.append(AllReduceHandle(passed, passed, "probe", tuple(buf.shape)))
+        return started[-1]
+
+    def done_after_last(handles, last):
+        return [identity_call([h.result] + ([last.passed] if h is not last else []))[0] for h in handles]
+
+    saved = _b.start_in_order, _b.done_after_last, _g._held
+    _b.start_in_order, _b.done_after_last = start_in_order, done_after_last
+    if not hold:
+        _g._held = lambda *args, **kwargs: []
+    try:
+        yield
+    finally:
+        _b.start_in_order, _b.done_after_last, _g._held = saved
+
+
 def make_steps(dp, modes):
     """{mode: compiled step} for ``dp`` (a :class:`~jax_blink.tools.train.step.DataParallel`): its
-    step without all-reduce, with the gradients held as ``mode`` holds them."""
-    return {m: dp.step_fn("none", combine=lambda tree, m=m: boundary(m, tree, dp.layout))
-            .lower(dp.state0, dp.batches[0]).compile() for m in modes}
+    step without all-reduce, with the gradients held as ``mode`` holds them (for
+    :data:`OVERLAP_SHAPES`, the explicit overlapped step with identity calls for its collectives)."""
+    steps = {}
+    for m in modes:
+        if m in OVERLAP_SHAPES:
+            with calls_for_starts(hold=not m.endswith("-nohold")):
+                steps[m] = dp.step_fn("overlap").lower(dp.state0, dp.batches[0]).compile()
+        else:
+            steps[m] = dp.step_fn("none", combine=lambda tree, m=m: boundary(m, tree, dp.layout)) \
+                .lower(dp.state0, dp.batches[0]).compile()
+    return steps
 
 
 def _folder(option: str):

@@ -118,3 +118,24 @@ def test_flat_barrier_packs_each_leaf_behind_a_barrier(dp):
     buckets = dp.layout.buckets
     assert counts["flat"] == len(buckets)
     assert counts["flat-barrier"] == len(buckets) + sum(len(b.slots) for b in buckets if len(b.slots) > 1)
+
+
+def test_overlap_calls_are_the_explicit_step_with_identity_calls(dp):
+    """overlap-calls: the explicit overlapped step with a start and a done per bucket, each an
+    identity custom call, the recent values held with each start but the first; -nohold holds
+    none; both train as none (checked above); the patch is undone after the trace."""
+    import re
+    from jax_blink.api import buckets as _b, overlapped_grad as _g
+    before = (_b.start_in_order, _b.done_after_last, _g._held)
+    texts = {}
+    for hold in (True, False):
+        with probe.calls_for_starts(hold=hold):
+            texts[hold] = dp.step_fn("overlap").lower(dp.state0, dp.batches[0]).as_text()
+    assert (_b.start_in_order, _b.done_after_last, _g._held) == before
+    n = len(dp.layout.buckets)
+    for text in texts.values():
+        assert len(re.findall(probe._TARGET, text)) == 2 * n  # a start and a done per bucket
+    barriers = {h: len(re.findall(r"stablehlo\.optimization_barrier", t)) for h, t in texts.items()}
+    assert barriers[True] > barriers[False], barriers  # the holds
+    with pytest.raises(ValueError, match="a step of its own"):
+        probe.boundary("overlap-calls", {}, dp.layout)

@@ -34,7 +34,7 @@ from jax_blink.lowering.mesh import AxisName, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
-HOLDS = ("recent", "all")
+HOLDS = ("recent", "all", "none")
 
 
 def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: int | Sequence[int] = 0,
@@ -61,7 +61,12 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         hold: Which values wait for each start (pass through its ``optimization_barrier``):
             ``"recent"`` (default), those the backward pass made since the previous start and
             that later steps read; ``"all"``, every value the rest of the program reads (the
-            earlier form: XLA must then materialise the forward pass's values).
+            earlier form: XLA must then materialise the forward pass's values); ``"none"``,
+            nothing: XLA then places the starts as it likes, and may run the rest of the
+            backward pass before one or sink it to the end (the barriers were added for that),
+            but fuses across them. On ResNet-50 the holds split 24 more of XLA's fusions than
+            any bucket boundary does (one H200, ``benchmarks/NOTES.md``, change 32); ``"none"``
+            is there to time that trade, not yet measured on several GPUs.
         large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
             bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
         last_bucket_pieces: The last bucket (the backward pass's last gradients) cut into this
@@ -163,6 +168,8 @@ def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, sin
     """The keys that wait for a start made after step ``i``: those a later step reads and, for
     ``hold="recent"``, made after step ``since`` (else after the first gradient's step; none
     before the backward pass, where a start has no pass to hold back)."""
+    if hold == "none":
+        return []
     live = [k for k, last in program.last_use.items() if last > i and k in values]
     if hold == "all":
         return live

@@ -218,7 +218,8 @@ def _overlapped_step(params, xs, which, **kw):
 
 
 @pytest.mark.parametrize("bucket_bytes, hold, alone", [(1000, "recent", False), (1000, "all", False),
-                                                       (1 << 20, "recent", False), (3000, "recent", True)])
+                                                       (1000, "none", False), (1 << 20, "recent", False),
+                                                       (3000, "recent", True)])
 def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold, alone):
     """The overlapped gradients (several buckets, a tied embedding, a nested jit inlined, aux
     summed) equal value_and_grad + psum on fresh random data; the loss is each device's own. At
@@ -262,6 +263,33 @@ def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch, 
     assert any(starts[0] < d < starts[-1] for d in dots)
     # Each barrier passes the start's output and at least one value of the rest of the pass.
     assert all(_barrier_operands(lines[b]) >= 2 for b in barriers), text
+
+
+def test_value_and_grad_overlapped_hold_none_holds_nothing(monkeypatch):
+    """hold="none": the same starts and dones on the GPU form, every done after the last start,
+    and no barrier that holds a start's output with the rest of the pass (the packing's barriers,
+    one value each, stay)."""
+    monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
+    params = _mlp_params(9)
+    xs = _sharded(np.random.default_rng(3).integers(0, 50, (N, 6)).astype(np.int32))
+
+    def lowered(hold):
+        @jax.jit
+        @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+        def f(params, xs):
+            return jax_blink.value_and_grad_overlapped(lambda p, x: _mlp_loss(p, x)[0], "data", bucket_bytes=1024,
+                                                       first_bucket_bytes=1024, hold=hold)(params, xs[0])[1]
+        with override(dispatch="blink"):
+            return f.lower(params, xs).as_text()
+
+    texts = {hold: lowered(hold) for hold in ("recent", "none")}
+    held = {}
+    for hold, text in texts.items():
+        lines = text.split("\n")
+        starts, dones, barriers, _ = overlap_lines(text)
+        assert len(starts) >= 4 and len(dones) == len(starts) and max(starts) < min(dones), hold
+        held[hold] = sum(1 for b in barriers if _barrier_operands(lines[b]) >= 2)
+    assert held["recent"] >= 3 and held["none"] == 0, held
 
 
 def overlap_lines(text: str) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -358,6 +358,10 @@ def test_timed_modes_default_and_asked():
     assert cli.timed_modes("blink", "blink", "gpt2") == ["psum", "blink", "overlap", "none", "none-barrier"]
     assert cli.timed_modes("overlap", "blink", "gpt2", "both") == ["psum", "blink", "overlap", "overlap-all", "none",
                                                                    "none-barrier"]
+    assert cli.timed_modes("overlap", "blink", "gpt2", "none") == ["psum", "blink", "overlap-none", "none",
+                                                                   "none-barrier"]
+    assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-none", "overlap"]) == [
+        "psum", "overlap", "overlap-none", "none", "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet") == ["psum", "switch", "switch-auto", "switch-late",
                                                              "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "auto", "gpt2") == ["psum", "switch", "switch-sparse", "switch-late",

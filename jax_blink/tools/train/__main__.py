@@ -99,8 +99,9 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
     the collective does not time."""
     ours = {"psum": "blink", "overlap": "blink"}.get(collective, collective)
     if ours == "blink":
-        variants = [m for m in (*PACKING_VARIANTS, *LAST_BUCKET_VARIANTS) if m in OVERLAP_HOLD]  # the explicit form's
-        modes = ["psum", "blink", *overlapped_modes(hold), *variants, "psum-tree", *BASELINES]
+        held = overlapped_modes(hold)
+        variants = [m for m in OVERLAP_HOLD if m not in held]  # the other holds and variants: when asked
+        modes = ["psum", "blink", *held, *variants, "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
@@ -110,7 +111,7 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
         return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS
-                and m not in LAST_BUCKET_VARIANTS]
+                and m not in LAST_BUCKET_VARIANTS and (m not in OVERLAP_HOLD or m in overlapped_modes(hold))]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
@@ -164,9 +165,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", default="blink", choices=("blink", "auto"),
                    help="jax_blink's dispatch while the step is traced: blink (default) always runs the "
                         "executor; auto sends sizes where psum was measured faster to psum")
-    p.add_argument("--hold", default="recent", choices=("recent", "all", "both"),
+    p.add_argument("--hold", default="recent", choices=("recent", "all", "none", "both"),
                    help="which values wait for each overlapped start (value_and_grad_overlapped's hold): "
-                        "recent (default), all, or both (times the two overlapped steps side by side)")
+                        "recent (default), all, none, or both (times recent and all side by side); "
+                        "--modes overlap,overlap-none times recent against none")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
     p.add_argument("--chain", type=_positive_int("--chain"), default=4,

@@ -36,7 +36,7 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   step (``value_and_grad_overlapped``, DDP's buckets started inside the backward pass), each
   start and done an identity custom call: its program without communication, with its holds
   (``hold="recent"``: the values made since the previous start pass through a barrier with each
-  start) or with none held: which part of the starts splits the fusions that the overlapped
+  start) or with none held (``hold="none"``): which part of the starts splits the fusions that the overlapped
   step splits beyond psum's (change 32 of the lab notes);
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
@@ -65,6 +65,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_blink.lowering.mesh import platform as _platform
 from jax_blink.switch.merge import consecutive_groups
 from jax_blink.tools.arguments import UsageError, output_folder
 
@@ -75,8 +76,9 @@ MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "
          *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier",
          "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold")
 #: The modes that are not the step of ``none`` with a boundary but the explicit overlapped step
-#: (``value_and_grad_overlapped``) with each start and done an identity custom call.
-OVERLAP_SHAPES = ("overlap-calls", "overlap-calls-nohold")
+#: (``value_and_grad_overlapped``) with each start and done an identity custom call, and the train
+#: tool's mode each one is (hold="recent", or hold="none").
+OVERLAP_SHAPES = {"overlap-calls": "overlap", "overlap-calls-nohold": "overlap-none"}
 _TARGET = "jax_blink_boundary_probe_identity"
 
 #: Entry-computation opcodes that launch no kernel.
@@ -118,7 +120,7 @@ _registered: set[str] = set()
 def identity_call(values: list) -> list:
     """``values`` through one identity custom call (each result aliases its operand)."""
     import ctypes
-    platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+    platform = _platform()
     if platform not in _registered:
         lib = ctypes.cdll.LoadLibrary(str(_build_identity(platform)))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BoundaryProbeIdentity),
@@ -147,7 +149,7 @@ def boundary(mode: str, tree, layout):
         return layout.unpack([hold([b])[0] for b in layout.pack(tree)])
     if shape == "flat-barrier":  # packed as jax_blink's own buckets are by default (bucket_packing="barrier")
         from jax_blink.options import override
-        platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+        platform = _platform()
         with override(bucket_packing="barrier"):
             return layout.unpack([hold([b])[0] for b in layout.pack(tree, platform)], platform)
     if shape == "tree":
@@ -176,7 +178,7 @@ def _tree_packed(tree, cap_bytes: int, packing: str):
     from jax_blink.options import override
     from jax_blink.switch.merge import merge_groups
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    platform = "gpu" if jax.default_backend() in ("gpu", "cuda") else "cpu"
+    platform = _platform()
     with override(bucket_packing=packing):
         for group in merge_groups([jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves], cap_bytes):
             flat = lax.optimization_barrier(_packing.join([leaves[i] for i in group], platform))
@@ -205,13 +207,12 @@ def kernels(hlo_text: str) -> collections.Counter:
 
 
 @contextlib.contextmanager
-def calls_for_starts(hold: bool):
+def calls_for_starts():
     """While ``value_and_grad_overlapped`` is traced: each bucket's start and done an identity
     custom call (the start's operand through it; the done of a bucket also takes the last start's
-    operand, as the real done's token), the values that ``hold="recent"`` names passed through a
-    barrier with each start as the real step does, or (``hold=False``) nothing held. The explicit
-    step's program on one device, without communication."""
-    from jax_blink.api import buckets as _b, overlapped_grad as _g
+    operand, as the real done's token); the holds stay the step's own. The explicit step's program
+    on one device, without communication."""
+    from jax_blink.api import buckets as _b
     from jax_blink.api.overlap import AllReduceHandle
 
     def start_in_order(buf, started, axis_name, *, full_grid, **kwargs):
@@ -222,14 +223,12 @@ def calls_for_starts(hold: bool):
     def done_after_last(handles, last):
         return [identity_call([h.result] + ([last.passed] if h is not last else []))[0] for h in handles]
 
-    saved = _b.start_in_order, _b.done_after_last, _g._held
+    saved = _b.start_in_order, _b.done_after_last
     _b.start_in_order, _b.done_after_last = start_in_order, done_after_last
-    if not hold:
-        _g._held = lambda *args, **kwargs: []
     try:
         yield
     finally:
-        _b.start_in_order, _b.done_after_last, _g._held = saved
+        _b.start_in_order, _b.done_after_last = saved
 
 
 def make_steps(dp, modes):
@@ -238,9 +237,9 @@ def make_steps(dp, modes):
     :data:`OVERLAP_SHAPES`, the explicit overlapped step with identity calls for its collectives)."""
     steps = {}
     for m in modes:
-        if m in OVERLAP_SHAPES:
-            with calls_for_starts(hold=not m.endswith("-nohold")):
-                steps[m] = dp.step_fn("overlap").lower(dp.state0, dp.batches[0]).compile()
+        if m in OVERLAP_SHAPES:  # the train tool's overlap (hold="recent") or overlap-none (hold="none")
+            with calls_for_starts():
+                steps[m] = dp.step_fn(OVERLAP_SHAPES[m]).lower(dp.state0, dp.batches[0]).compile()
         else:
             steps[m] = dp.step_fn("none", combine=lambda tree, m=m: boundary(m, tree, dp.layout)) \
                 .lower(dp.state0, dp.batches[0]).compile()

@@ -155,7 +155,7 @@ class BucketLayout:
             raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes!r}")
         if not isinstance(large_leaf_alone, (bool, np.bool_)):
             raise TypeError(f"large_leaf_alone must be True or False, got {large_leaf_alone!r}")
-        last_bucket_pieces = check_last_bucket_pieces(last_bucket_pieces)
+        last_bucket_pieces = check_piece_count("last_bucket_pieces", last_bucket_pieces)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if not with_paths:
             raise ValueError("BucketLayout.of: the tree has no leaves")
@@ -258,16 +258,6 @@ class BucketLayout:
             parts.append(f"--- bucket {i}: all-reduce of {_fmt_bytes(b.nbytes)} ({b.dtype.name})\n"
                          + explain(topology, b.nbytes, "allreduce", dtype=b.dtype, **kwargs))
         return "\n".join(parts)
-
-
-def check_last_bucket_pieces(value) -> int:
-    """``value`` as a count of pieces for the last bucket (:meth:`BucketLayout.of`).
-
-    Raises:
-        TypeError: ``value`` is not a whole number (a bool is not).
-        ValueError: ``value`` is below 1.
-    """
-    return check_piece_count("last_bucket_pieces", value)
 
 
 def _restarted(slots: Sequence[Slot]) -> tuple[Slot, ...]:

@@ -32,6 +32,7 @@ from jax_blink.api import buckets as _buckets
 from jax_blink.lowering import jaxpr_steps
 from jax_blink.lowering.mesh import AxisName, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+from jax_blink.options.settings import check_piece_count
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
 HOLDS = ("recent", "all", "none")
@@ -85,7 +86,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         raise ValueError(f"value_and_grad_overlapped: hold must be one of {HOLDS}, got {hold!r}")
     if not isinstance(large_leaf_alone, bool):
         raise TypeError(f"value_and_grad_overlapped: large_leaf_alone must be True or False, got {large_leaf_alone!r}")
-    last_bucket_pieces = _buckets.check_last_bucket_pieces(last_bucket_pieces)  # before any trace
+    last_bucket_pieces = check_piece_count("last_bucket_pieces", last_bucket_pieces)  # before any trace
     value_and_grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     def run(*args):

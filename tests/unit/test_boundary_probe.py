@@ -128,9 +128,10 @@ def test_overlap_calls_are_the_explicit_step_with_identity_calls(dp):
     from jax_blink.api import buckets as _b, overlapped_grad as _g
     before = (_b.start_in_order, _b.done_after_last, _g._held)
     texts = {}
-    for hold in (True, False):
-        with probe.calls_for_starts(hold=hold):
-            texts[hold] = dp.step_fn("overlap").lower(dp.state0, dp.batches[0]).as_text()
+    for hold, mode in ((True, "overlap"), (False, "overlap-none")):
+        assert probe.OVERLAP_SHAPES["overlap-calls" if hold else "overlap-calls-nohold"] == mode
+        with probe.calls_for_starts():
+            texts[hold] = dp.step_fn(mode).lower(dp.state0, dp.batches[0]).as_text()
     assert (_b.start_in_order, _b.done_after_last, _g._held) == before
     n = len(dp.layout.buckets)
     for text in texts.values():

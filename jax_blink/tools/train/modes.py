@@ -55,8 +55,9 @@ del _mode, _base, _packing
 #: Modes that are another mode with the backward pass's last bucket cut into this many calls of
 #: consecutive leaves, timed when asked for, beside the base mode in one run: on ResNet-50 a call
 #: holding that bucket whole splits XLA's fusions of the residual additions with BatchNorm's
-#: reductions (on one GPU; on 2 x H200 the cut made the step slower: lab notes, change 32). The tool's buckets are cut in its layout
-#: (``BucketLayout.of(last_bucket_pieces=)``), and under the switch its last bucket too
+#: reductions (on one GPU; on 2 x H200 the cut made the step slower: lab notes, change 32). The
+#: tool's buckets are cut in its layout (``BucketLayout.of(last_bucket_pieces=)``), and under the
+#: switch its last bucket too
 #: (``switch_last_bucket_pieces``: the switch re-buckets the step's psums, and would merge the
 #: layout's pieces back into one call). Mode: (base mode, pieces).
 LAST_BUCKET_VARIANTS = {"switch-last16": ("switch", 16), "switch-tree-last16": ("switch-tree", 16),

@@ -37,7 +37,10 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   start and done an identity custom call: its program without communication, with its holds
   (``hold="recent"``: the values made since the previous start pass through a barrier with each
   start) or with none held (``hold="none"``): which part of the starts splits the fusions that the overlapped
-  step splits beyond psum's (change 32 of the lab notes);
+  step splits beyond psum's (change 32 of the lab notes); ``overlap-calls-inputs`` holds the
+  step's inputs instead (``hold="inputs"``). For these three it also prints where XLA's schedule
+  put each start: the kernels before it, and the matrix products or convolutions after it (what
+  a real start could run beside; a start sunk to the end of the step has none);
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
   (``benchmarks/boundary_probe_ffi.cc``, built at the first use with nvcc or g++: each result
   aliases its operand, no copy, no kernel) in place of the barrier: a stand-in for a collective's
@@ -74,12 +77,15 @@ LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
          "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
          *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier",
-         "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold")
+         "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold", "overlap-calls-inputs")
 #: The modes that are not the step of ``none`` with a boundary but the explicit overlapped step
 #: (``value_and_grad_overlapped``) with each start and done an identity custom call, and the train
-#: tool's mode each one is (hold="recent", or hold="none").
-OVERLAP_SHAPES = {"overlap-calls": "overlap", "overlap-calls-nohold": "overlap-none"}
+#: tool's mode each one is (hold="recent", "none" or "inputs").
+OVERLAP_SHAPES = {"overlap-calls": "overlap", "overlap-calls-nohold": "overlap-none",
+                  "overlap-calls-inputs": "overlap-inputs"}
 _TARGET = "jax_blink_boundary_probe_identity"
+#: The same identity call under another name, for the overlap shapes' starts: where XLA placed them.
+_START_TARGET = "jax_blink_boundary_probe_start"
 
 #: Entry-computation opcodes that launch no kernel.
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
@@ -117,16 +123,18 @@ def _build_identity(platform: str) -> Path:
 _registered: set[str] = set()
 
 
-def identity_call(values: list) -> list:
-    """``values`` through one identity custom call (each result aliases its operand)."""
+def identity_call(values: list, target: str = _TARGET) -> list:
+    """``values`` through one identity custom call (each result aliases its operand); ``target``:
+    the call's name (``_TARGET``, or ``_START_TARGET`` for a start)."""
     import ctypes
     platform = _platform()
     if platform not in _registered:
         lib = ctypes.cdll.LoadLibrary(str(_build_identity(platform)))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BoundaryProbeIdentity),
-                                    platform="CUDA" if platform == "gpu" else "cpu")
+        for name in (_TARGET, _START_TARGET):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.BoundaryProbeIdentity),
+                                        platform="CUDA" if platform == "gpu" else "cpu")
         _registered.add(platform)
-    call = jax.ffi.ffi_call(_TARGET, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values],
+    call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values],
                             input_output_aliases={i: i for i in range(len(values))})
     return list(call(*values))
 
@@ -206,6 +214,37 @@ def kernels(hlo_text: str) -> collections.Counter:
     return counts
 
 
+#: A kernel of the entry computation that is a matrix product or convolution (a library call or
+#: a fusion around one): the compute a started all-reduce can run beside.
+_PRODUCT = re.compile(r"cublas|cudnn|gemm|\bdot\b|convolution|conv\b|__cudnn")
+
+
+def start_placement(hlo_text: str) -> list[tuple[int, int]]:
+    """Where XLA's schedule put each start of an overlap shape: for each ``_START_TARGET`` call of
+    the optimized HLO's entry computation (printed in schedule order), in order, the kernels
+    before it and the matrix products or convolutions after it (what it can overlap with)."""
+    kinds: list[str] = []  # "start", "product" or "kernel", in schedule order
+    in_entry = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+            continue
+        if in_entry and line.startswith("}"):
+            break
+        m = _INSTRUCTION.match(line) if in_entry else None
+        if not m or m.group(2) in _NO_KERNEL:
+            continue
+        name, op = m.groups()
+        if _START_TARGET in line:
+            kinds.append("start")
+        elif _PRODUCT.search(name) or (op == "custom-call" and _PRODUCT.search(line)):
+            kinds.append("product")
+        else:
+            kinds.append("kernel")
+    return [(sum(1 for k in kinds[:i] if k != "start"), sum(1 for k in kinds[i:] if k == "product"))
+            for i, k in enumerate(kinds) if k == "start"]
+
+
 @contextlib.contextmanager
 def calls_for_starts():
     """While ``value_and_grad_overlapped`` is traced: each bucket's start and done an identity
@@ -216,7 +255,7 @@ def calls_for_starts():
     from jax_blink.api.overlap import AllReduceHandle
 
     def start_in_order(buf, started, axis_name, *, full_grid, **kwargs):
-        (passed,) = identity_call([buf])
+        (passed,) = identity_call([buf], _START_TARGET)
         started.append(AllReduceHandle(passed, passed, "probe", tuple(buf.shape)))
         return started[-1]
 
@@ -237,7 +276,7 @@ def make_steps(dp, modes):
     :data:`OVERLAP_SHAPES`, the explicit overlapped step with identity calls for its collectives)."""
     steps = {}
     for m in modes:
-        if m in OVERLAP_SHAPES:  # the train tool's overlap (hold="recent") or overlap-none (hold="none")
+        if m in OVERLAP_SHAPES:  # the train tool's overlap (hold="recent"), overlap-none or overlap-inputs
             with calls_for_starts():
                 steps[m] = dp.step_fn(OVERLAP_SHAPES[m]).lower(dp.state0, dp.batches[0]).compile()
         else:
@@ -310,6 +349,7 @@ def main(argv=None) -> int:
     dp = DataParallel(args.model, cfg, mesh)
     steps = make_steps(dp, modes)
     counts = {m: kernels(c.as_text()) for m, c in steps.items()}
+    placement = {m: start_placement(c.as_text()) for m, c in steps.items() if m in OVERLAP_SHAPES}
     if args.hlo:
         args.hlo.mkdir(parents=True, exist_ok=True)
         for m, c in steps.items():
@@ -348,12 +388,18 @@ def main(argv=None) -> int:
             top = sorted((k for k in diff if diff[k]), key=lambda k: -abs(diff[k]))[:6]
             if top:
                 print(f"  {'':{width}s} vs none: " + ", ".join(f"{k} {diff[k]:+d}" for k in top))
+        if m in placement:
+            print(f"  {'':{width}s} starts (COUNTED in the schedule): kernels before each "
+                  f"{[b for b, _ in placement[m]]} of {sum(counts[m].values())}; matrix products or "
+                  f"convolutions after each {[a for _, a in placement[m]]}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": args.model, "size": args.size, "batch": cfg.batch,
                                         "devices": kind, "jax": jax.__version__, "chain": args.chain,
                                         "runs": args.runs, "step_ms": med if args.runs else None,
                                         "kernels": {m: dict(c) for m, c in counts.items()},
+                                        "start_placement": {m: [{"kernels_before": b, "products_after": a}
+                                                                for b, a in pl] for m, pl in placement.items()},
                                         "times_s": {m: ts for m, ts in zip(modes, times)} if args.runs else None},
                                        indent=1))
     return 0

@@ -35,7 +35,7 @@ from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from jax_blink.options.settings import check_piece_count
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
-HOLDS = ("recent", "all", "none")
+HOLDS = ("recent", "all", "none", "inputs")
 
 
 def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: int | Sequence[int] = 0,
@@ -67,7 +67,10 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             backward pass before one or sink it to the end (the barriers were added for that),
             but fuses across them. On ResNet-50 the holds split 24 more of XLA's fusions than
             any bucket boundary does (one H200, ``benchmarks/NOTES.md``, change 32); ``"none"``
-            is there to time that trade, not yet measured on several GPUs.
+            is there to time that trade, not yet measured on several GPUs. ``"inputs"``: the
+            function's arguments (parameters, batch) that the rest of the program reads. They are
+            buffers already, so the barrier makes XLA materialise nothing, and each later layer's
+            products that read its weights wait for the start (change 33).
         large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
             bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
         last_bucket_pieces: The last bucket (the backward pass's last gradients) cut into this
@@ -167,8 +170,9 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
 
 def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int) -> list:
     """The keys that wait for a start made after step ``i``: those a later step reads and, for
-    ``hold="recent"``, made after step ``since`` (else after the first gradient's step; none
-    before the backward pass, where a start has no pass to hold back)."""
+    ``hold="recent"``, made after step ``since`` (else after the first gradient's step), for
+    ``hold="inputs"``, the program's inputs; for both, none before the backward pass, where a
+    start has no pass to hold back."""
     if hold == "none":
         return []
     live = [k for k, last in program.last_use.items() if last > i and k in values]
@@ -176,5 +180,8 @@ def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, sin
         return live
     if i < backward:
         return []
+    if hold == "inputs":
+        inputs = set(program.in_keys)
+        return [k for k in live if k in inputs]
     recent = [k for k in live if program.made(k) > since]
     return recent or [k for k in live if program.made(k) >= backward]

@@ -60,6 +60,36 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
     assert probe.kernels(hlo) == {"loop_add_fusion": 2, "custom-call": 1}
 
 
+def test_start_placement_reads_the_schedule():
+    """Each start: the kernels before it in the entry computation, and the products after it."""
+    hlo = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {{
+  %a = f32[4,4]{{1,0}} parameter(0)
+  %loop_add_fusion = f32[4,4]{{1,0}} fusion(%a), kind=kLoop, calls=%c
+  %s.1 = f32[4,4]{{1,0}} custom-call(%loop_add_fusion), custom_call_target="{probe._START_TARGET}"
+  %custom-call.2 = (f32[4,4]{{1,0}}, s8[0]{{0}}) custom-call(%a, %a), custom_call_target="__cublas$gemm"
+  %gte = f32[4,4]{{1,0}} get-tuple-element(%custom-call.2), index=0
+  %gemm_fusion.3 = f32[4,4]{{1,0}} fusion(%gte, %a), kind=kCustom, calls=%g
+  %s.2 = f32[4,4]{{1,0}} custom-call(%gemm_fusion.3), custom_call_target="{probe._START_TARGET}"
+  %d = f32[4,4]{{1,0}} custom-call(%s.1, %s.2), custom_call_target="{probe._TARGET}"
+  ROOT %loop_add_fusion.4 = f32[4,4]{{1,0}} fusion(%d), kind=kLoop, calls=%c
+}}
+"""
+    assert probe.start_placement(hlo) == [(1, 2), (3, 0)]
+
+
+def test_overlap_shapes_place_their_starts_in_order(dp):
+    """On CPU too the overlap shapes' starts are found in the compiled program, one per bucket, in
+    schedule order (kernels before each grow, products after each shrink)."""
+    steps = probe.make_steps(dp, list(probe.OVERLAP_SHAPES))
+    for m, c in steps.items():
+        placed = probe.start_placement(c.as_text())
+        assert len(placed) == len(dp.layout.buckets), m
+        assert [b for b, _ in placed] == sorted(b for b, _ in placed), m
+        assert [a for _, a in placed] == sorted((a for _, a in placed), reverse=True), m
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--modes", "flat,nope"], "--modes: unknown ['nope']"),
     (["--devices", "99"], "--devices 99: give 1 to"),
@@ -134,8 +164,8 @@ def test_overlap_calls_are_the_explicit_step_with_identity_calls(dp):
             texts[hold] = dp.step_fn(mode).lower(dp.state0, dp.batches[0]).as_text()
     assert (_b.start_in_order, _b.done_after_last, _g._held) == before
     n = len(dp.layout.buckets)
-    for text in texts.values():
-        assert len(re.findall(probe._TARGET, text)) == 2 * n  # a start and a done per bucket
+    for text in texts.values():  # a start and a done per bucket
+        assert len(re.findall(probe._START_TARGET, text)) == len(re.findall(probe._TARGET, text)) == n
     barriers = {h: len(re.findall(r"stablehlo\.optimization_barrier", t)) for h, t in texts.items()}
     assert barriers[True] > barriers[False], barriers  # the holds
     with pytest.raises(ValueError, match="a step of its own"):

@@ -165,10 +165,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", default="blink", choices=("blink", "auto"),
                    help="jax_blink's dispatch while the step is traced: blink (default) always runs the "
                         "executor; auto sends sizes where psum was measured faster to psum")
-    p.add_argument("--hold", default="recent", choices=("recent", "all", "none", "both"),
+    p.add_argument("--hold", default="recent", choices=("recent", "all", "none", "inputs", "both"),
                    help="which values wait for each overlapped start (value_and_grad_overlapped's hold): "
-                        "recent (default), all, none, or both (times recent and all side by side); "
-                        "--modes overlap,overlap-none times recent against none")
+                        "recent (default), all, none, inputs, or both (times recent and all side by side); "
+                        "--modes overlap,overlap-none,overlap-inputs times recent against none and inputs")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
     p.add_argument("--chain", type=_positive_int("--chain"), default=4,

@@ -29,7 +29,7 @@ SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8bloc
 #: most the bucket cap itself).
 TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8blocks", "switch-tree-sync"]
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
-OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-none": "none"}
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-none": "none", "overlap-inputs": "inputs"}
 #: jax_blink options that a mode outside the switch lowers under.
 MODE_OPTIONS: dict[str, dict] = {}
 #: Modes that are another mode with the executor's buckets packed another way than the default
@@ -74,6 +74,7 @@ del _mode, _base, _pieces
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
           "overlap-none": "jax_blink overlapped (hold none)",
+          "overlap-inputs": "jax_blink overlapped (hold inputs)",
           "switch": "psum under the switch (overlapped)", "switch-auto": "psum under the switch, dispatch=auto",
           "switch-late": "psum under the switch, late last wait",
           "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
@@ -92,8 +93,8 @@ MODES = tuple(LABELS)
 
 
 def overlapped_modes(hold: str) -> list[str]:
-    """The overlapped modes that the tool's ``--hold`` (recent, all, none, or both: recent and
-    all) names."""
+    """The overlapped modes that the tool's ``--hold`` (recent, all, none, inputs, or both: recent
+    and all) names."""
     holds = ("recent", "all") if hold == "both" else (hold,)
     return [m for m, h in OVERLAP_HOLD.items()
             if h in holds and m not in PACKING_VARIANTS and m not in LAST_BUCKET_VARIANTS]

@@ -9,7 +9,9 @@ The collective that sums a bucket is the only thing that changes between the mod
 - ``overlap``: ``jax_blink.value_and_grad_overlapped``: each bucket's all-reduce started inside
   the backward pass right after its gradients exist (the rest of the pass held behind the start),
   all awaited after the last start; on GPUs the all-reduces run on a side stream;
-  ``overlap-all`` is the same with every live value held behind each start (``hold="all"``);
+  ``overlap-all`` is the same with every live value held behind each start (``hold="all"``),
+  ``overlap-none`` with none held, ``overlap-inputs`` with the step's inputs held (the weights
+  that the rest of the backward pass reads);
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
   pass: :mod:`jax_blink.switch.overlap`); ``switch-late`` the same with

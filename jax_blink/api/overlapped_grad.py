@@ -33,9 +33,10 @@ from jax_blink.lowering import jaxpr_steps
 from jax_blink.lowering.mesh import AxisName, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from jax_blink.options.settings import check_piece_count
+from jax_blink.switch.overlap import WEIGHT_READERS
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
-HOLDS = ("recent", "all", "none", "inputs")
+HOLDS = ("recent", "all", "none", "weights")
 
 
 def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: int | Sequence[int] = 0,
@@ -67,10 +68,11 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             backward pass before one or sink it to the end (the barriers were added for that),
             but fuses across them. On ResNet-50 the holds split 24 more of XLA's fusions than
             any bucket boundary does (one H200, ``benchmarks/NOTES.md``, change 32); ``"none"``
-            is there to time that trade, not yet measured on several GPUs. ``"inputs"``: the
-            function's arguments (parameters, batch) that the rest of the program reads. They are
-            buffers already, so the barrier makes XLA materialise nothing, and each later layer's
-            products that read its weights wait for the start (change 33).
+            is there to time that trade, not yet measured on several GPUs. ``"weights"``: the
+            function's arguments that only matrix products and convolutions read
+            (:data:`jax_blink.switch.overlap.WEIGHT_READERS`) and that a later step reads:
+            buffers already, read by no fusion, so the barrier cuts none, and each later
+            layer's products wait for the start (change 33).
         large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
             bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
         last_bucket_pieces: The last bucket (the backward pass's last gradients) cut into this
@@ -171,8 +173,8 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
 def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int) -> list:
     """The keys that wait for a start made after step ``i``: those a later step reads and, for
     ``hold="recent"``, made after step ``since`` (else after the first gradient's step), for
-    ``hold="inputs"``, the program's inputs; for both, none before the backward pass, where a
-    start has no pass to hold back."""
+    ``hold="weights"``, the program's inputs that only ``WEIGHT_READERS`` read; for both,
+    none before the backward pass, where a start has no pass to hold back."""
     if hold == "none":
         return []
     live = [k for k, last in program.last_use.items() if last > i and k in values]
@@ -180,8 +182,19 @@ def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, sin
         return live
     if i < backward:
         return []
-    if hold == "inputs":
-        inputs = set(program.in_keys)
-        return [k for k in live if k in inputs]
+    if hold == "weights":
+        weights = set(_weights(program))
+        return [k for k in live if k in weights]
     recent = [k for k in live if program.made(k) > since]
     return recent or [k for k in live if program.made(k) >= backward]
+
+
+def _weights(program: jaxpr_steps.FlatProgram) -> list:
+    """The program's inputs that some step reads and every step reading them is one of
+    ``WEIGHT_READERS`` (a BatchNorm scale or a bias, read by elementwise code, is not)."""
+    readers: dict = {k: set() for k in program.in_keys}
+    for step in program.steps:
+        for k in step.ins:
+            if not isinstance(k, jaxpr_steps.Lit) and k in readers:
+                readers[k].add(step.eqn.primitive.name)
+    return [k for k, names in readers.items() if names and names <= WEIGHT_READERS]

@@ -92,6 +92,8 @@ def _check_chunk_bytes(value) -> int | str | None:
 
 #: How a bucket's leaves become the executor's flat operand and come back (``bucket_packing``).
 BUCKET_PACKINGS = ("barrier", "xla", "kernel")
+#: What the switch's starts hold (``switch_hold``).
+SWITCH_HOLDS = ("recent", "weights")
 
 
 def _choice(field: str, choices: tuple[str, ...]):
@@ -158,6 +160,7 @@ _CHECKS = {
     "switch_sparse_gradients": _flag("switch_sparse_gradients"),
     "switch_last_bucket_pieces": lambda value: check_piece_count("switch_last_bucket_pieces", value),
     "bucket_packing": _choice("bucket_packing", BUCKET_PACKINGS),
+    "switch_hold": _choice("switch_hold", SWITCH_HOLDS),
 }
 
 
@@ -222,6 +225,12 @@ class Options:
             step 0.57-0.83 ms slower: more starts split more (``benchmarks/NOTES.md``, change 32).
             A step whose own buckets are flat buffers needs them cut too: the switch cuts
             between operands, never inside one.
+        switch_hold: With ``switch_overlap``, what each start holds back (passes through its
+            ``optimization_barrier``): ``"recent"``, the values the backward pass made since the
+            previous start, or ``"weights"``, the body's weights that only matrix products and
+            convolutions read (:data:`jax_blink.switch.overlap.WEIGHT_READERS`), as
+            :func:`jax_blink.value_and_grad_overlapped`'s ``hold`` (``JAX_BLINK_SWITCH_HOLD``,
+            default ``"recent"``; ``benchmarks/NOTES.md``, change 33).
         bucket_packing: How the executor's call of several leaves (a bucket of
             :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
             switch) packs them into its flat operand and back: ``"barrier"`` (XLA's concatenation
@@ -252,6 +261,7 @@ class Options:
     switch_last_bucket_pieces: int = 1  # the switch: the last bucket to start, in this many calls
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
     bucket_packing: str = "barrier"  # a bucket's leaves into the executor's flat operand: "barrier", "xla" or "kernel"
+    switch_hold: str = "recent"  # the switch: what each start holds back, "recent" or "weights"
 
     def __setattr__(self, name: str, value) -> None:
         check = _CHECKS.get(name)
@@ -333,6 +343,7 @@ _ENV_OPTIONS = {
     "JAX_BLINK_SWITCH_LAST_BUCKET_PIECES": ("switch_last_bucket_pieces", _parse_whole,
                                             "a whole number >= 1 (1: the bucket whole)"),
     "JAX_BLINK_BUCKET_PACKING": ("bucket_packing", str.lower, " / ".join(BUCKET_PACKINGS)),
+    "JAX_BLINK_SWITCH_HOLD": ("switch_hold", str.lower, " / ".join(SWITCH_HOLDS)),
 }
 # The variables read elsewhere, each where it is used: the tuning cache's file (chunk_cache.py), the
 # folder of tuned dispatch entries (dispatch_cache.py), the

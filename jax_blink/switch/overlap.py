@@ -21,7 +21,10 @@ where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before
   :data:`start_p` equation right after the step that completes it. Every start but the first also
   passes the values made since the previous start through itself (an ``optimization_barrier`` in
   its lowering): XLA can then neither run the rest of the backward pass before the start nor sink
-  the start to the end (docs/overlap.md says why both happened without it).
+  the start to the end (docs/overlap.md says why both happened without it). With
+  ``hold="weights"`` (``jax_blink.config.switch_hold``) it passes the body's weights instead: the
+  inputs (or their ``pvary``) that only matrix products and convolutions read, which are buffers
+  already, so that the barrier cuts none of XLA's fusions.
 * **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
   start's operand as its token) and gives the original all-reduces' results; what reads one of
   them before the last start (another all-reduce of it) moves to just after the wait. With
@@ -69,6 +72,15 @@ done_p = Primitive("jax_blink_overlap_done")
 done_p.multiple_results = True
 
 _bucket_ids = itertools.count()
+
+#: The equations that a weight held with ``hold="weights"`` may be read by, anywhere in the
+#: program: matrix products and convolutions, and the reversal and transposition that feed them
+#: a weight (jax's transpose of a convolution reverses its kernel).
+WEIGHT_READERS = frozenset({"dot_general", "conv_general_dilated", "rev", "transpose"})
+#: What the starts may hold back.
+HOLDS = ("recent", "weights")
+#: Equations that hand a body's input on unchanged (a parameter made varying for its gradient).
+_PASS_ON = frozenset({"pvary", "pcast"})
 
 
 def _never_evaluated(*args, **params):
@@ -124,13 +136,16 @@ def _is_heavy(eqn) -> bool:
 
 
 def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False,
-                        last_bucket_pieces: int = 1) -> Rewrite:
+                        last_bucket_pieces: int = 1, hold: str = "recent") -> Rewrite:
     """``jaxpr`` (a shard_map body, a core.Jaxpr) with its gradient all-reduces started early (the
     module's docstring); ``cap_bytes``: most bytes per rank in one bucket (0, merging turned off:
     one all-reduce per bucket); ``late_last_wait``:
     wait for the last bucket only after everything that does not read it (:func:`_late_wait`);
     ``last_bucket_pieces``: the last bucket to be ready cut into that many buckets of consecutive
-    all-reduces, in readiness order (at most one per all-reduce)."""
+    all-reduces, in readiness order (at most one per all-reduce); ``hold``: what each start holds
+    back, of :data:`HOLDS` (the module's docstring)."""
+    if hold not in HOLDS:
+        raise ValueError(f"overlap_all_reduces: hold must be one of {HOLDS}, got {hold!r}")
     eqns = list(jaxpr.eqns)
     n = len(eqns)
     made_by = _jx.producers(eqns)
@@ -195,7 +210,7 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False,
         items.append(((last, 3, 0), "done", (tuple(range(len(buckets) - 1)), ())))
         items.append(((n, 4, 0), "done", ((len(buckets) - 1,), tuple(after))))
     items.sort(key=lambda t: t[0])
-    rewritten = _emit(jaxpr, eqns, items, buckets)
+    rewritten = _emit(jaxpr, eqns, items, buckets, weights(jaxpr) if hold == "weights" else None)
     unbound = _first_unbound(rewritten)
     if unbound is not None:  # a safety net: a program the rewrite got wrong is left as written
         return Rewrite(jaxpr, 0, 0, f"left as written: the rewrite would read {unbound} before making it")
@@ -316,8 +331,27 @@ def _buckets(eqns, ordered: list[int], cap_bytes: int) -> list[list[int]]:
     return out
 
 
-def _emit(jaxpr, eqns, items, buckets):
-    """The body in the order of ``items``, with the starts, their held values and the done."""
+def weights(jaxpr) -> list:
+    """A body's weights, in the order they appear: its inputs, or the ``pvary`` of one, that some
+    equation reads and that only :data:`WEIGHT_READERS` read (not returned by the body)."""
+    passed = [v for v in jaxpr.invars if _jx.is_var(v)]
+    known = set(passed)
+    readers: dict = collections.defaultdict(set)
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if _jx.is_var(v):
+                readers[v].add(e.primitive.name)
+        if e.primitive.name in _PASS_ON and e.invars and all(_jx.is_var(v) and v in known for v in e.invars):
+            passed += [v for v in e.outvars if v not in known]
+            known.update(e.outvars)
+    returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
+    return [v for v in passed if readers[v] and readers[v] <= WEIGHT_READERS and v not in returned
+            and _jx.is_plain_array(v.aval)]
+
+
+def _emit(jaxpr, eqns, items, buckets, held_weights=None):
+    """The body in the order of ``items``, with the starts, their held values and the done;
+    ``held_weights``: with ``hold="weights"``, the weights the starts hold (else the recent values)."""
     position = {}  # original variable -> the index in ``items`` of what makes it
     last_use: dict = {}
     for p, (_, kind, payload) in enumerate(items):
@@ -351,7 +385,8 @@ def _emit(jaxpr, eqns, items, buckets):
             continue
         if kind == "start":
             members = [eqns[i] for i in buckets[payload]]
-            held = _held(position, last_use, p, starts_at)
+            held = (_held(position, last_use, p, starts_at) if held_weights is None
+                    else _held_weights(held_weights, position, last_use, p, starts_at))
             operands = [read(e.invars[0]) for e in members]
             flat_in = members[0].invars[0].aval.update(shape=(sum(_size(e.invars[0].aval) for e in members),))
             flat_out = members[0].outvars[0].aval.update(shape=flat_in.shape)
@@ -393,4 +428,12 @@ def _held(position, last_use, p, starts_at) -> list:
     return recent or [v for v in live if position[v] > starts_at[0]]
 
 
-__all__ = ["OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "done_p", "overlap_all_reduces", "start_p"]
+def _held_weights(held_weights, position, last_use, p, starts_at) -> list:
+    """The weights that wait for the start at item ``p``: those made before it and read after it;
+    none for the first start (as :func:`_held`)."""
+    if not starts_at:
+        return []
+    return [v for v in held_weights if position.get(v, -1) < p and last_use.get(v, -1) > p]
+
+
+__all__ = ["HOLDS", "WEIGHT_READERS", "OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "done_p", "overlap_all_reduces", "start_p", "weights"]

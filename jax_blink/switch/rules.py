@@ -318,19 +318,20 @@ def _overlap_body(jaxpr, axis_sizes: dict) -> _overlap.Rewrite:
     its row-sparse gradients first split off and gathered after the wait where
     ``config.switch_sparse_gradients`` (:mod:`jax_blink.switch.sparse`; kept only where the
     overlap then happens: alone, the split moves more bytes)."""
-    late, pieces = config.switch_late_last_wait, config.switch_last_bucket_pieces
+    late, pieces, hold = config.switch_late_last_wait, config.switch_last_bucket_pieces, config.switch_hold
     if config.switch_sparse_gradients:
         split = _sparse.split_row_sparse(jaxpr, axis_sizes, _overlap.OVERLAPPABLE_PRIMITIVES)
         if split.gradients:
             rewrite = _overlap.overlap_all_reduces(split.jaxpr, config.merge_bytes, late_last_wait=late,
-                                                   last_bucket_pieces=pieces)
+                                                   last_bucket_pieces=pieces, hold=hold)
             tied = (_sparse.gather_after_wait(rewrite.jaxpr, split.gathered, _overlap.done_p)
                     if rewrite.buckets else None)
             if tied is not None:
                 return dataclasses.replace(rewrite, jaxpr=tied, reason=(
                     f"{rewrite.reason}; {split.gradients} row-sparse gradient(s) (embedding lookups) "
                     "all-gathered after the wait"))
-    return _overlap.overlap_all_reduces(jaxpr, config.merge_bytes, late_last_wait=late, last_bucket_pieces=pieces)
+    return _overlap.overlap_all_reduces(jaxpr, config.merge_bytes, late_last_wait=late, last_bucket_pieces=pieces,
+                                        hold=hold)
 
 
 def _rewritten_primitives() -> list[tuple[str, object]]:

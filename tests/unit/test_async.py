@@ -218,7 +218,7 @@ def _overlapped_step(params, xs, which, **kw):
 
 
 @pytest.mark.parametrize("bucket_bytes, hold, alone", [(1000, "recent", False), (1000, "all", False),
-                                                       (1000, "none", False), (1000, "inputs", False),
+                                                       (1000, "none", False), (1000, "weights", False),
                                                        (1 << 20, "recent", False),
                                                        (3000, "recent", True)])
 def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold, alone):
@@ -236,7 +236,7 @@ def test_value_and_grad_overlapped_equals_psum(bucket_bytes, hold, alone):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hold", ["recent", "all", "inputs"])
+@pytest.mark.parametrize("hold", ["recent", "all", "weights"])
 def test_value_and_grad_overlapped_starts_inside_the_backward_pass(monkeypatch, hold):
     """On the GPU form (lowered as text here), each bucket's start comes before the backward pass
     of the layers below it (an optimization_barrier holds the rest of the program after it), and
@@ -350,10 +350,11 @@ def test_value_and_grad_overlapped_recent_holds_only_backward_values(monkeypatch
         assert any(program.made(k) < backward for k in all_keys)  # the forward pass's values too
 
 
-def test_value_and_grad_overlapped_inputs_holds_only_the_arguments(monkeypatch):
-    """hold="inputs" passes through each barrier only the function's arguments (the weights) that
-    a later step reads, none before the backward pass; each later matrix product of the backward
-    pass that reads a weight reads it through the last barrier, so it waits for the start."""
+def test_value_and_grad_overlapped_weights_holds_only_the_products_weights(monkeypatch):
+    """hold="weights" passes through each barrier only the function's arguments that matrix
+    products alone read (the blocks' weights: not the scale, read elementwise, nor the embedding,
+    gathered) and that a later step reads, none before the backward pass; the rest of the
+    backward pass's products read them through the barrier, so they wait for the start."""
     from jax_blink.api import overlapped_grad
     monkeypatch.setattr(async_call, "runs_async", lambda platform: True)
     seen = []
@@ -364,33 +365,47 @@ def test_value_and_grad_overlapped_inputs_holds_only_the_arguments(monkeypatch):
         seen.append((i, backward, keys, program))
         return keys
 
+    def loss(p, x):
+        h = p["embed"][x]
+        for w in p["blocks"]:
+            h = jnp.tanh(h @ w) * p["scale"]
+        return jnp.mean((h @ p["embed"].T) ** 2)
+
     monkeypatch.setattr(overlapped_grad, "_held", spy)
-    params = _mlp_params(23)
+    params = {**_mlp_params(23), "scale": jnp.asarray(np.random.default_rng(25).uniform(0.5, 1.5, 16), jnp.float32)}
     xs = _sharded(np.random.default_rng(24).integers(0, 50, (N, 6)).astype(np.int32))
 
-    @jax.jit
-    @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
-    def f(params, xs):
-        return jax_blink.value_and_grad_overlapped(_mlp_loss, "data", has_aux=True, reduce_aux=True,
-                                                   bucket_bytes=1024, first_bucket_bytes=1024,
-                                                   hold="inputs")(params, xs[0])[1]
+    def step(which):
+        @jax.jit
+        @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+        def f(params, xs):
+            if which == "psum":
+                return jax.tree.map(lambda g: lax.psum(g, "data"), jax.grad(loss)(params, xs[0]))
+            return jax_blink.value_and_grad_overlapped(loss, "data", bucket_bytes=1024, first_bucket_bytes=1024,
+                                                       hold="weights")(params, xs[0])[1]
+        return f
 
     with override(dispatch="blink"):
-        text = f.lower(params, xs).as_text()
+        text = step("weights").lower(params, xs).as_text()
     assert len(seen) >= 4
     program = seen[0][3]
-    weights = set(program.in_keys)
+    blocks = set(program.in_keys[:4])  # the leaves in order: blocks 0-3, embed, scale, then x
     held_in_backward = 0
     for i, backward, keys, _ in seen:
         if i < backward:
             assert keys == []
             continue
-        assert set(keys) <= weights and all(program.last_use[k] > i for k in keys)
+        assert set(keys) <= blocks and all(program.last_use[k] > i for k in keys)
         held_in_backward += bool(keys)
-    assert held_in_backward >= 3  # the blocks' weights still to be read by the layers below
+    assert held_in_backward >= 2  # the weights of the blocks below, still to be read
     lines = text.split("\n")
     _, _, barriers, _ = overlap_lines(text)
     assert sum(1 for b in barriers if _barrier_operands(lines[b]) >= 2) == held_in_backward
+    monkeypatch.undo()  # the CPU form, run: psum's numbers
+    with override(dispatch="blink"):
+        got = step("weights")(params, xs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(step("psum")(params, xs))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
 
 
 def test_value_and_grad_overlapped_rejects_bad_options():

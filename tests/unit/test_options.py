@@ -37,6 +37,7 @@ GOOD = {
     "switch_sparse_gradients": [(True, True), (False, False)],
     "switch_last_bucket_pieces": [(1, 1), (16, 16), (np.int64(4), 4)],
     "bucket_packing": [("barrier", "barrier"), ("xla", "xla"), ("kernel", "kernel")],
+    "switch_hold": [("recent", "recent"), ("weights", "weights")],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -77,6 +78,7 @@ BAD = [
     ("switch_last_bucket_pieces", True, TypeError, "switch_last_bucket_pieces must be a whole number"),
     ("bucket_packing", "kernels", ValueError, "bucket_packing must be one of ('barrier', 'xla', 'kernel')"),
     ("bucket_packing", True, TypeError, "bucket_packing must be one of"),
+    ("switch_hold", "none", ValueError, "switch_hold must be one of ('recent', 'weights')"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]
@@ -175,6 +177,7 @@ def test_options_from_the_environment():
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "0"}).merge_bytes == 0
     assert options._from_env({"JAX_BLINK_MERGE_BYTES": "4M"}).merge_bytes == 4 << 20
     assert options._from_env({"JAX_BLINK_SWITCH_LAST_BUCKET_PIECES": " 16 "}).switch_last_bucket_pieces == 16
+    assert options._from_env({"JAX_BLINK_SWITCH_HOLD": "Weights"}).switch_hold == "weights"
 
 
 @pytest.mark.parametrize("name,text,words", [

@@ -362,10 +362,10 @@ def test_timed_modes_default_and_asked():
                                                                    "none-barrier"]
     assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-none", "overlap"]) == [
         "psum", "overlap", "overlap-none", "none", "none-barrier"]
-    assert cli.timed_modes("overlap", "blink", "gpt2", "inputs") == ["psum", "blink", "overlap-inputs", "none",
+    assert cli.timed_modes("overlap", "blink", "gpt2", "weights") == ["psum", "blink", "overlap-weights", "none",
                                                                      "none-barrier"]
-    assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-inputs", "overlap"]) == [
-        "psum", "overlap", "overlap-inputs", "none", "none-barrier"]
+    assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-weights", "overlap"]) == [
+        "psum", "overlap", "overlap-weights", "none", "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet") == ["psum", "switch", "switch-auto", "switch-late",
                                                              "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "auto", "gpt2") == ["psum", "switch", "switch-sparse", "switch-late",

@@ -32,8 +32,8 @@ from pathlib import Path
 from jax_blink.tools.arguments import Parser, UsageError as _ToolUsageError, ensure_host_devices, output_folder
 from jax_blink.tools.train.check import UPDATE_RTOL, check_against_psum
 from jax_blink.tools.train.modes import (BASELINES, LAST_BUCKET_VARIANTS, PACKING_VARIANTS, LABELS, MODES,
-                                          OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_OVERLAP, TREE_MODES,
-                                          overlapped_modes)
+                                          OVERLAP_HOLD, SITE_ENVIRONMENT, SWITCH_HOLD_VARIANTS, SWITCH_OVERLAP,
+                                          TREE_MODES, overlapped_modes)
 
 PROG = "python -m jax_blink.tools.train"
 #: Where results go without --out: a folder of the current folder, named for what made it.
@@ -107,11 +107,12 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
             ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
                                                              *(m for m in (*PACKING_VARIANTS, *LAST_BUCKET_VARIANTS)
                                                                if m in SWITCH_OVERLAP),
-                                                             *TREE_MODES, *BASELINES]
+                                                             *SWITCH_HOLD_VARIANTS, *TREE_MODES, *BASELINES]
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
         return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS
-                and m not in LAST_BUCKET_VARIANTS and (m not in OVERLAP_HOLD or m in overlapped_modes(hold))]
+                and m not in LAST_BUCKET_VARIANTS and m not in SWITCH_HOLD_VARIANTS
+                and (m not in OVERLAP_HOLD or m in overlapped_modes(hold))]
     wrong = [m for m in asked if m not in modes]
     if wrong:
         raise UsageError(f"--modes {','.join(asked)}: --collective {collective} does not time {', '.join(wrong)} "
@@ -165,10 +166,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", default="blink", choices=("blink", "auto"),
                    help="jax_blink's dispatch while the step is traced: blink (default) always runs the "
                         "executor; auto sends sizes where psum was measured faster to psum")
-    p.add_argument("--hold", default="recent", choices=("recent", "all", "none", "inputs", "both"),
+    p.add_argument("--hold", default="recent", choices=("recent", "all", "none", "weights", "both"),
                    help="which values wait for each overlapped start (value_and_grad_overlapped's hold): "
-                        "recent (default), all, none, inputs, or both (times recent and all side by side); "
-                        "--modes overlap,overlap-none,overlap-inputs times recent against none and inputs")
+                        "recent (default), all, none, weights, or both (times recent and all side by side); "
+                        "--modes overlap,overlap-none,overlap-weights times recent against none and weights")
     p.add_argument("--timing-runs", type=int, default=10,
                    help="timed runs of each step for the step times (0: no timing; default 10)")
     p.add_argument("--chain", type=_positive_int("--chain"), default=4,

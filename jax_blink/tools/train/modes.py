@@ -9,13 +9,17 @@ from __future__ import annotations
 BASELINES = ("none", "none-barrier")
 #: The switch's options every mode lowered under it starts from (the library's defaults, the overlap on).
 SWITCH_DEFAULTS = {"switch_overlap": True, "switch_late_last_wait": False, "switch_sparse_gradients": False,
-                   "switch_last_bucket_pieces": 1}
+                   "switch_last_bucket_pieces": 1, "switch_hold": "recent"}
 #: The modes lowered under the switch, and what each changes from :data:`SWITCH_DEFAULTS` (``dispatch``:
 #: whatever the tool's ``--dispatch``; ``switch-auto`` is the switch as a user gets it).
 SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-late": {"switch_late_last_wait": True},
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
                   "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}, "switch-tree-twoshot": {},
-                  "switch-tree-8blocks": {}, "switch-tree-sync": {"switch_overlap": False}}
+                  "switch-tree-8blocks": {}, "switch-tree-sync": {"switch_overlap": False},
+                  "switch-weights": {"switch_hold": "weights"}, "switch-tree-weights": {"switch_hold": "weights"}}
+#: Modes under the switch with its starts holding the weights (``switch_hold="weights"``), timed
+#: when asked for (change 33 of the lab notes).
+SWITCH_HOLD_VARIANTS = ("switch-weights", "switch-tree-weights")
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
@@ -27,9 +31,10 @@ SITE_ENVIRONMENT = {"switch-ce": {"JAX_BLINK_ASYNC_ENGINE": "ce"}, "switch-8bloc
 #: a user writes it; XLA combines them into variadic all-reduces), not the DDP buckets' flat buffers;
 #: ``switch-tree`` is that step under the switch (which merges the leaves' psums into calls of at
 #: most the bucket cap itself).
-TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8blocks", "switch-tree-sync"]
+TREE_MODES = ["psum-tree", "switch-tree", "switch-tree-twoshot", "switch-tree-8blocks", "switch-tree-sync",
+              "switch-tree-weights"]
 #: The overlapped modes and the ``hold`` of value_and_grad_overlapped each one runs.
-OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-none": "none", "overlap-inputs": "inputs"}
+OVERLAP_HOLD = {"overlap": "recent", "overlap-all": "all", "overlap-none": "none", "overlap-weights": "weights"}
 #: jax_blink options that a mode outside the switch lowers under.
 MODE_OPTIONS: dict[str, dict] = {}
 #: Modes that are another mode with the executor's buckets packed another way than the default
@@ -74,12 +79,14 @@ del _mode, _base, _pieces
 LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "overlap": "jax_blink overlapped", "overlap-all": "jax_blink overlapped (hold all)",
           "overlap-none": "jax_blink overlapped (hold none)",
-          "overlap-inputs": "jax_blink overlapped (hold inputs)",
+          "overlap-weights": "jax_blink overlapped (hold weights)",
           "switch": "psum under the switch (overlapped)", "switch-auto": "psum under the switch, dispatch=auto",
           "switch-late": "psum under the switch, late last wait",
           "switch-sparse": "psum under the switch, switch_sparse_gradients=True",
           "switch-sync": "psum under the switch, switch_overlap=False",
           "switch-tree-sync": "psum of the tree under the switch, switch_overlap=False",
+          "switch-weights": "psum under the switch, switch_hold=weights",
+          "switch-tree-weights": "psum of the tree under the switch, switch_hold=weights",
           **{m: f"psum{' of the tree' if m in TREE_MODES else ''} under the switch, "
                 f"{' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
              for m, env in SITE_ENVIRONMENT.items()},
@@ -93,7 +100,7 @@ MODES = tuple(LABELS)
 
 
 def overlapped_modes(hold: str) -> list[str]:
-    """The overlapped modes that the tool's ``--hold`` (recent, all, none, inputs, or both: recent
+    """The overlapped modes that the tool's ``--hold`` (recent, all, none, weights, or both: recent
     and all) names."""
     holds = ("recent", "all") if hold == "both" else (hold,)
     return [m for m, h in OVERLAP_HOLD.items()

@@ -10,8 +10,8 @@ The collective that sums a bucket is the only thing that changes between the mod
   the backward pass right after its gradients exist (the rest of the pass held behind the start),
   all awaited after the last start; on GPUs the all-reduces run on a side stream;
   ``overlap-all`` is the same with every live value held behind each start (``hold="all"``),
-  ``overlap-none`` with none held, ``overlap-inputs`` with the step's inputs held (the weights
-  that the rest of the backward pass reads);
+  ``overlap-none`` with none held, ``overlap-weights`` with the weights held that only the rest
+  of the backward pass's matrix products and convolutions read (``hold="weights"``);
 - ``switch``: the ``psum`` step function itself, unedited, lowered under ``jax_blink.installed()``
   (the switch routes its ``lax.psum`` to jax_blink and starts each bucket inside the backward
   pass: :mod:`jax_blink.switch.overlap`); ``switch-late`` the same with

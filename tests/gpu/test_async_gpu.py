@@ -84,6 +84,46 @@ def test_overlapped_buckets_on_gpus(dtype):
     assert comms, "the asynchronous sites have a communicator of the small grid"
 
 
+@pytest.mark.parametrize("hold", ["recent", "none", "weights"])
+def test_value_and_grad_overlapped_on_gpus(hold):
+    """value_and_grad_overlapped with each hold on every GPU: six linear layers on small integers
+    in float32 (every sum exact), so its summed gradients equal value_and_grad + psum bit for
+    bit, again on reuse; its buckets are jax_blink_start / jax_blink_done pairs in the compiled
+    program."""
+    rng = np.random.default_rng(60)
+    params = [{"w": jnp.asarray(rng.integers(-1, 2, (64, 64)), jnp.float32),
+               "b": jnp.asarray(rng.integers(-1, 2, (64,)), jnp.float32)} for _ in range(6)]
+    x = _sharded(rng.integers(-2, 3, (len(GPUS), 8, 64)).astype(np.float32))
+
+    def loss(ps, v):
+        for layer in ps:
+            v = v @ layer["w"] + layer["b"]
+        return jnp.sum(v)
+
+    def step(kind):
+        @jax.jit
+        @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P())
+        def f(ps, xs):
+            mine = jax.tree.map(lambda a: lax.pcast(a, "data", to="varying"), ps)
+            if kind == "psum":
+                return lax.psum(jax.grad(loss)(mine, xs[0]), "data")
+            return jax_blink.value_and_grad_overlapped(loss, "data", bucket_bytes=20 << 10, first_bucket_bytes=4 << 10,
+                                                       hold=hold)(mine, xs[0])[1]
+        return f
+
+    want = step("psum")(params, x)
+    with override(dispatch="blink"):
+        f = step("overlap")
+        text = f.lower(params, x).compile().as_text()
+        got = [f(params, x) for _ in range(3)]
+    assert len(re.findall(r'custom_call_target="jax_blink_start"', text)) >= 3, text[:2000]
+    for g in got:
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jax_blink.check()
+    assert _blink_cuda.async_in_flight() == 0
+
+
 def test_start_done_api_on_gpus():
     n = len(GPUS)
     rng = np.random.default_rng(8)

@@ -38,7 +38,9 @@ Modes (each is the step of ``none`` with something at the gradients' place):
   (``hold="recent"``: the values made since the previous start pass through a barrier with each
   start) or with none held (``hold="none"``): which part of the starts splits the fusions that the overlapped
   step splits beyond psum's (change 32 of the lab notes); ``overlap-calls-weights`` holds the
-  weights that only matrix products and convolutions read instead (``hold="weights"``). For these three it also prints where XLA's schedule
+  weights that only matrix products and convolutions read instead (``hold="weights"``); each
+  with ``-last16`` is the same with the backward pass's last bucket in 16 starts
+  (``last_bucket_pieces=16``: the train tool's ``*-last16`` modes). For these three it also prints where XLA's schedule
   put each start: the kernels before it, and the matrix products or convolutions after it (what
   a real start could run beside; a start sunk to the end of the step has none);
 - ``call-flat``, ``call-leaves``, ``call-leaf``: the same three shapes with an identity custom call
@@ -77,12 +79,15 @@ LAST_BUCKET_CUTS = (2, 4, 16, 40)
 MODES = ("none", "flat", "leaves", "leaf", "tree", "call-flat", "call-leaves", "call-leaf",
          "leaves-grads", "leaves-last", "leaves-but-last", "flat-then-tree", "leaves-then-tree",
          *(f"leaves-last-{k}" for k in LAST_BUCKET_CUTS), "tree-packed", "tree-packed-barrier",
-         "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold", "overlap-calls-weights")
+         "flat-barrier", "call-flat-barrier", "overlap-calls", "overlap-calls-nohold", "overlap-calls-weights",
+         "overlap-calls-last16", "overlap-calls-nohold-last16", "overlap-calls-weights-last16")
 #: The modes that are not the step of ``none`` with a boundary but the explicit overlapped step
 #: (``value_and_grad_overlapped``) with each start and done an identity custom call, and the train
 #: tool's mode each one is (hold="recent", "none" or "weights").
 OVERLAP_SHAPES = {"overlap-calls": "overlap", "overlap-calls-nohold": "overlap-none",
-                  "overlap-calls-weights": "overlap-weights"}
+                  "overlap-calls-weights": "overlap-weights", "overlap-calls-last16": "overlap-last16",
+                  "overlap-calls-nohold-last16": "overlap-none-last16",
+                  "overlap-calls-weights-last16": "overlap-weights-last16"}
 _TARGET = "jax_blink_boundary_probe_identity"
 #: The same identity call under another name, for the overlap shapes' starts: where XLA placed them.
 _START_TARGET = "jax_blink_boundary_probe_start"

@@ -66,7 +66,8 @@ del _mode, _base, _packing
 #: (``switch_last_bucket_pieces``: the switch re-buckets the step's psums, and would merge the
 #: layout's pieces back into one call). Mode: (base mode, pieces).
 LAST_BUCKET_VARIANTS = {"switch-last16": ("switch", 16), "switch-tree-last16": ("switch-tree", 16),
-                        "overlap-last16": ("overlap", 16)}
+                        "overlap-last16": ("overlap", 16), "overlap-none-last16": ("overlap-none", 16),
+                        "overlap-weights-last16": ("overlap-weights", 16)}
 for _mode, (_base, _pieces) in LAST_BUCKET_VARIANTS.items():
     if _base in SWITCH_OVERLAP:
         SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "switch_last_bucket_pieces": _pieces}

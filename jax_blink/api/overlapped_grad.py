@@ -66,9 +66,11 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             earlier form: XLA must then materialise the forward pass's values); ``"none"``,
             nothing: XLA then places the starts as it likes, and may run the rest of the
             backward pass before one or sink it to the end (the barriers were added for that),
-            but fuses across them. On ResNet-50 the holds split 24 more of XLA's fusions than
-            any bucket boundary does (one H200, ``benchmarks/NOTES.md``, change 32); ``"none"``
-            is there to time that trade, not yet measured on several GPUs. ``"weights"``: the
+            but fuses across them. On ResNet-50 any hold splits 23-26 more of XLA's fusions
+            than a bucket boundary does, and with ``last_bucket_pieces=16`` ``"none"`` splits 1
+            where the holds split 44-47 (one H200, no communication; ``benchmarks/NOTES.md``,
+            changes 32 and 33); on GPT-2, without holds, XLA sank the starts to the end of the
+            step. Not yet timed on several GPUs. ``"weights"``: the
             function's arguments that only matrix products and convolutions read
             (:data:`jax_blink.switch.overlap.WEIGHT_READERS`) and that a later step reads:
             buffers already, read by no fusion, so the barrier cuts none, and each later

@@ -93,7 +93,7 @@ def _check_chunk_bytes(value) -> int | str | None:
 #: How a bucket's leaves become the executor's flat operand and come back (``bucket_packing``).
 BUCKET_PACKINGS = ("barrier", "xla", "kernel")
 #: What the switch's starts hold (``switch_hold``).
-SWITCH_HOLDS = ("recent", "weights")
+SWITCH_HOLDS = ("recent", "weights", "none")
 
 
 def _choice(field: str, choices: tuple[str, ...]):
@@ -228,9 +228,12 @@ class Options:
         switch_hold: With ``switch_overlap``, what each start holds back (passes through its
             ``optimization_barrier``): ``"recent"``, the values the backward pass made since the
             previous start, or ``"weights"``, the body's weights that only matrix products and
-            convolutions read (:data:`jax_blink.switch.overlap.WEIGHT_READERS`), as
+            convolutions read (:data:`jax_blink.switch.overlap.WEIGHT_READERS`), or ``"none"``,
+            nothing (XLA may then sink a start to the end of the step, as it does GPT-2's), as
             :func:`jax_blink.value_and_grad_overlapped`'s ``hold`` (``JAX_BLINK_SWITCH_HOLD``,
-            default ``"recent"``; ``benchmarks/NOTES.md``, change 33).
+            default ``"recent"``; ``benchmarks/NOTES.md``, change 33: on ResNet-50 with no
+            communication, ``"none"`` with ``switch_last_bucket_pieces=16`` split 1 of XLA's
+            fusions where the holds split 44-47).
         bucket_packing: How the executor's call of several leaves (a bucket of
             :func:`jax_blink.value_and_grad_overlapped`, a merged or overlapped bucket under the
             switch) packs them into its flat operand and back: ``"barrier"`` (XLA's concatenation
@@ -261,7 +264,7 @@ class Options:
     switch_last_bucket_pieces: int = 1  # the switch: the last bucket to start, in this many calls
     allreduce_form: str = "auto"  # the planner's choice, or one form of jax_blink/planning/forms.py
     bucket_packing: str = "barrier"  # a bucket's leaves into the executor's flat operand: "barrier", "xla" or "kernel"
-    switch_hold: str = "recent"  # the switch: what each start holds back, "recent" or "weights"
+    switch_hold: str = "recent"  # the switch: what each start holds back, "recent", "weights" or "none"
 
     def __setattr__(self, name: str, value) -> None:
         check = _CHECKS.get(name)

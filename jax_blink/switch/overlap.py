@@ -24,7 +24,9 @@ where it stands and, on a GPU, on XLA's compute stream: nothing overlaps. Before
   the start to the end (docs/overlap.md says why both happened without it). With
   ``hold="weights"`` (``jax_blink.config.switch_hold``) it passes the body's weights instead: the
   inputs (or their ``pvary``) that only matrix products and convolutions read, which are buffers
-  already, so that the barrier cuts none of XLA's fusions.
+  already; with ``hold="none"``, nothing (XLA then places the starts itself). Any hold orders the
+  bucket's producers before the rest of the pass, which splits XLA's fusions that join them
+  (``benchmarks/NOTES.md``, change 33).
 * **Waits**: one :data:`done_p` equation right after the last start takes every bucket (and the last
   start's operand as its token) and gives the original all-reduces' results; what reads one of
   them before the last start (another all-reduce of it) moves to just after the wait. With
@@ -78,7 +80,7 @@ _bucket_ids = itertools.count()
 #: a weight (jax's transpose of a convolution reverses its kernel).
 WEIGHT_READERS = frozenset({"dot_general", "conv_general_dilated", "rev", "transpose"})
 #: What the starts may hold back.
-HOLDS = ("recent", "weights")
+HOLDS = ("recent", "weights", "none")
 #: Equations that hand a body's input on unchanged (a parameter made varying for its gradient).
 _PASS_ON = frozenset({"pvary", "pcast"})
 
@@ -210,7 +212,7 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False,
         items.append(((last, 3, 0), "done", (tuple(range(len(buckets) - 1)), ())))
         items.append(((n, 4, 0), "done", ((len(buckets) - 1,), tuple(after))))
     items.sort(key=lambda t: t[0])
-    rewritten = _emit(jaxpr, eqns, items, buckets, weights(jaxpr) if hold == "weights" else None)
+    rewritten = _emit(jaxpr, eqns, items, buckets, hold, weights(jaxpr) if hold == "weights" else None)
     unbound = _first_unbound(rewritten)
     if unbound is not None:  # a safety net: a program the rewrite got wrong is left as written
         return Rewrite(jaxpr, 0, 0, f"left as written: the rewrite would read {unbound} before making it")
@@ -349,9 +351,9 @@ def weights(jaxpr) -> list:
             and _jx.is_plain_array(v.aval)]
 
 
-def _emit(jaxpr, eqns, items, buckets, held_weights=None):
-    """The body in the order of ``items``, with the starts, their held values and the done;
-    ``held_weights``: with ``hold="weights"``, the weights the starts hold (else the recent values)."""
+def _emit(jaxpr, eqns, items, buckets, hold: str = "recent", held_weights=None):
+    """The body in the order of ``items``, with the starts, their held values (``hold``; for
+    ``"weights"``, ``held_weights`` are the body's weights) and the done."""
     position = {}  # original variable -> the index in ``items`` of what makes it
     last_use: dict = {}
     for p, (_, kind, payload) in enumerate(items):
@@ -385,8 +387,12 @@ def _emit(jaxpr, eqns, items, buckets, held_weights=None):
             continue
         if kind == "start":
             members = [eqns[i] for i in buckets[payload]]
-            held = (_held(position, last_use, p, starts_at) if held_weights is None
-                    else _held_weights(held_weights, position, last_use, p, starts_at))
+            if hold == "none":
+                held = []
+            elif hold == "weights":
+                held = _held_weights(held_weights, position, last_use, p, starts_at)
+            else:
+                held = _held(position, last_use, p, starts_at)
             operands = [read(e.invars[0]) for e in members]
             flat_in = members[0].invars[0].aval.update(shape=(sum(_size(e.invars[0].aval) for e in members),))
             flat_out = members[0].outvars[0].aval.update(shape=flat_in.shape)

@@ -132,13 +132,14 @@ def test_switch_cuts_its_last_bucket_on_gpus(count):
 
 
 @pytest.mark.parametrize("count", [2, 4])
-def test_switch_holds_the_weights_on_gpus(count):
-    """switch_hold="weights" on a step of parameters made varying: the buckets start on the side
-    stream as with the default hold, and the step gives the unswitched step's bits, again on
-    reuse."""
+@pytest.mark.parametrize("hold", ["weights", "none"])
+def test_switch_holds_on_gpus(count, hold):
+    """switch_hold="weights" or "none" on a step of parameters made varying: the buckets start on
+    the side stream as with the default hold, and the step gives the unswitched step's bits,
+    again on reuse."""
     step, params, x = _integer_step(count, seed=50 + count, pcast=True)
     want = step(params, x)
-    compiled, got, report = _switched(step, params, x, switch_hold="weights")
+    compiled, got, report = _switched(step, params, x, switch_hold=hold)
     assert compiled.as_text().count('custom_call_target="jax_blink_start"') >= 2
     assert sum(d.operands for d in report if d.overlapped and d.runs_on == "jax_blink") == 12, report
     _assert_bitwise(want, got)

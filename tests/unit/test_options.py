@@ -37,7 +37,7 @@ GOOD = {
     "switch_sparse_gradients": [(True, True), (False, False)],
     "switch_last_bucket_pieces": [(1, 1), (16, 16), (np.int64(4), 4)],
     "bucket_packing": [("barrier", "barrier"), ("xla", "xla"), ("kernel", "kernel")],
-    "switch_hold": [("recent", "recent"), ("weights", "weights")],
+    "switch_hold": [("recent", "recent"), ("weights", "weights"), ("none", "none")],
     "allreduce_form": [("auto", "auto"), ("rings", "rings"), ("shallow_trees", "shallow_trees")],
 }
 BAD = [
@@ -78,7 +78,7 @@ BAD = [
     ("switch_last_bucket_pieces", True, TypeError, "switch_last_bucket_pieces must be a whole number"),
     ("bucket_packing", "kernels", ValueError, "bucket_packing must be one of ('barrier', 'xla', 'kernel')"),
     ("bucket_packing", True, TypeError, "bucket_packing must be one of"),
-    ("switch_hold", "none", ValueError, "switch_hold must be one of ('recent', 'weights')"),
+    ("switch_hold", "all", ValueError, "switch_hold must be one of ('recent', 'weights', 'none')"),
     ("allreduce_form", "ring", ValueError, "'auto', 'reduce_broadcast', 'rings'"),
     ("allreduce_form", None, TypeError, "'auto', 'reduce_broadcast', 'rings'"),
 ]

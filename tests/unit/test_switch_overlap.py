@@ -493,8 +493,8 @@ def test_hold_weights_holds_only_what_products_alone_read():
     """switch_hold="weights": the body's weights are the parameters made varying (pvary) that only
     matrix products read (each layer's w and the head: not the biases, added elementwise, nor the
     inputs themselves, which the update also reads); each start but the first holds the weights
-    still to be read after it, and no other value (as hold="recent" holds no weight); the step
-    keeps the unswitched bits."""
+    still to be read after it, and no other value (as hold="recent" holds no weight; "none"
+    holds nothing); the step keeps the unswitched bits."""
     rng = np.random.default_rng(31)
     params = _params(rng, exact=True, layers=6)
     x = _sharded(rng.integers(-2, 3, (N, 4, 16)).astype(np.float32))
@@ -510,6 +510,9 @@ def test_hold_weights_holds_only_what_products_alone_read():
         starts = [e for e in rewrite.jaxpr.eqns if e.primitive is overlap.start_p]
         assert len(starts) >= 3, rewrite.reason
         held = [list(e.invars[e.params["count"]:]) for e in starts]
+        if hold == "none":
+            assert not any(held), held
+            continue
         assert held[0] == [] and held[1], held
         if hold == "weights":  # the weights as they are, or as the previous start passed them on;
             # fewer and fewer as the layers' products are done
@@ -519,8 +522,9 @@ def test_hold_weights_holds_only_what_products_alone_read():
             assert all(v.aval.shape in ((16, 16), (16, 3)) for h in held for v in h)
         else:
             assert not any(v in set(weights) for h in held for v in h)
-    with override(merge_bytes=2048, switch_hold="weights"):
-        plain, switched, calls, report = _run(step, params, x)
-    for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    assert sum(d.operands for d in report if d.overlapped) == 13, report
+    for hold in ("weights", "none"):
+        with override(merge_bytes=2048, switch_hold=hold):
+            plain, switched, calls, report = _run(step, params, x)
+        for w, g in zip(jax.tree.leaves(plain), jax.tree.leaves(switched)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert sum(d.operands for d in report if d.overlapped) == 13, report

@@ -366,6 +366,12 @@ def test_timed_modes_default_and_asked():
                                                                      "none-barrier"]
     assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-weights", "overlap"]) == [
         "psum", "overlap", "overlap-weights", "none", "none-barrier"]
+    assert cli.timed_modes("overlap", "blink", "resnet", asked=["overlap-none-last16", "overlap", "overlap-none"]) == [
+        "psum", "overlap", "overlap-none", "overlap-none-last16", "none", "none-barrier"]
+    assert cli.timed_modes("switch", "blink", "resnet", asked=["switch-none-last16", "switch", "switch-none",
+                                                                "switch-tree-weights", "switch-weights"]) == [
+        "psum", "switch", "switch-weights", "switch-none", "switch-none-last16", "switch-tree-weights", "none",
+        "none-barrier"]
     assert cli.timed_modes("switch", "blink", "resnet") == ["psum", "switch", "switch-auto", "switch-late",
                                                              "switch-sync", "none", "none-barrier"]
     assert cli.timed_modes("switch", "auto", "gpt2") == ["psum", "switch", "switch-sparse", "switch-late",

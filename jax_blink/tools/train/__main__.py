@@ -104,10 +104,11 @@ def timed_modes(collective: str, dispatch: str, model: str, hold: str = "recent"
         modes = ["psum", "blink", *held, *variants, "psum-tree", *BASELINES]
     else:
         modes = ["psum", "switch"] + (["switch-auto"] if dispatch != "auto" else []) + (
-            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SITE_ENVIRONMENT,
+            ["switch-sparse"] if model == "gpt2" else []) + ["switch-late", "switch-sync", *SWITCH_HOLD_VARIANTS,
+                                                             *SITE_ENVIRONMENT,
                                                              *(m for m in (*PACKING_VARIANTS, *LAST_BUCKET_VARIANTS)
                                                                if m in SWITCH_OVERLAP),
-                                                             *SWITCH_HOLD_VARIANTS, *TREE_MODES, *BASELINES]
+                                                             *TREE_MODES, *BASELINES]
         modes = list(dict.fromkeys(modes))  # a mode both a site variant and a tree mode, once
     if asked is None:  # the variants are timed when asked for
         return [m for m in modes if m not in SITE_ENVIRONMENT and m not in TREE_MODES and m not in PACKING_VARIANTS

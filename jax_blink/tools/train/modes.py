@@ -16,10 +16,12 @@ SWITCH_OVERLAP = {"switch": {}, "switch-auto": {"dispatch": "auto"}, "switch-lat
                   "switch-sparse": {"switch_sparse_gradients": True}, "switch-sync": {"switch_overlap": False},
                   "switch-ce": {}, "switch-8blocks": {}, "switch-tree": {}, "switch-tree-twoshot": {},
                   "switch-tree-8blocks": {}, "switch-tree-sync": {"switch_overlap": False},
-                  "switch-weights": {"switch_hold": "weights"}, "switch-tree-weights": {"switch_hold": "weights"}}
-#: Modes under the switch with its starts holding the weights (``switch_hold="weights"``), timed
-#: when asked for (change 33 of the lab notes).
-SWITCH_HOLD_VARIANTS = ("switch-weights", "switch-tree-weights")
+                  "switch-weights": {"switch_hold": "weights"}, "switch-tree-weights": {"switch_hold": "weights"},
+                  "switch-none": {"switch_hold": "none"}}
+#: Modes under the switch with its starts holding the weights (``switch_hold="weights"``) or
+#: nothing (``"none"``; ``-last16``: with the last bucket in 16 calls), timed when asked for
+#: (change 33 of the lab notes; ``switch-tree-weights``, a tree mode, is timed so too).
+SWITCH_HOLD_VARIANTS = ("switch-weights", "switch-none", "switch-none-last16")
 #: Modes whose first run sets up their call sites under these variables: the CUDA executor reads
 #: the overlapped all-reduce's engine and grid once per call site, at its first start
 #: (kernels/cuda/async_ffi.cc), so one process can time them beside the default. Elsewhere they
@@ -67,7 +69,7 @@ del _mode, _base, _packing
 #: layout's pieces back into one call). Mode: (base mode, pieces).
 LAST_BUCKET_VARIANTS = {"switch-last16": ("switch", 16), "switch-tree-last16": ("switch-tree", 16),
                         "overlap-last16": ("overlap", 16), "overlap-none-last16": ("overlap-none", 16),
-                        "overlap-weights-last16": ("overlap-weights", 16)}
+                        "overlap-weights-last16": ("overlap-weights", 16), "switch-none-last16": ("switch-none", 16)}
 for _mode, (_base, _pieces) in LAST_BUCKET_VARIANTS.items():
     if _base in SWITCH_OVERLAP:
         SWITCH_OVERLAP[_mode] = {**SWITCH_OVERLAP[_base], "switch_last_bucket_pieces": _pieces}
@@ -88,6 +90,7 @@ LABELS = {"psum": "psum (XLA all-reduce)", "blink": "jax_blink.all_reduce",
           "switch-tree-sync": "psum of the tree under the switch, switch_overlap=False",
           "switch-weights": "psum under the switch, switch_hold=weights",
           "switch-tree-weights": "psum of the tree under the switch, switch_hold=weights",
+          "switch-none": "psum under the switch, switch_hold=none",
           **{m: f"psum{' of the tree' if m in TREE_MODES else ''} under the switch, "
                 f"{' '.join(f'{k}={v}' for k, v in env.items())} (its sites)"
              for m, env in SITE_ENVIRONMENT.items()},

@@ -60,21 +60,26 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
             axis, in the first buckets (they exist before the backward pass starts).
         bucket_bytes: DDP's bucket cap (default 25 MiB).
         first_bucket_bytes: The first bucket's cap (default 1 MiB).
-        hold: Which values wait for each start (pass through its ``optimization_barrier``):
-            ``"recent"`` (default), those the backward pass made since the previous start and
-            that later steps read; ``"all"``, every value the rest of the program reads (the
-            earlier form: XLA must then materialise the forward pass's values); ``"none"``,
-            nothing: XLA then places the starts as it likes, and may run the rest of the
-            backward pass before one or sink it to the end (the barriers were added for that),
-            but fuses across them. On ResNet-50 any hold splits 23-26 more of XLA's fusions
-            than a bucket boundary does, and with ``last_bucket_pieces=16`` ``"none"`` splits 1
-            where the holds split 44-47 (one H200, no communication; ``benchmarks/NOTES.md``,
-            changes 32 and 33); on GPT-2, without holds, XLA sank the starts to the end of the
-            step. Not yet timed on several GPUs. ``"weights"``: the
-            function's arguments that only matrix products and convolutions read
-            (:data:`jax_blink.switch.overlap.WEIGHT_READERS`) and that a later step reads:
-            buffers already, read by no fusion, so the barrier cuts none, and each later
-            layer's products wait for the start (change 33).
+        hold: Which values wait for each start (pass through its ``optimization_barrier``), so
+            that XLA neither runs the rest of the backward pass before the start nor sinks the
+            start to the end of the step:
+
+            * ``"recent"`` (default): those the backward pass made since the previous start and
+              that later steps read;
+            * ``"weights"``: the function's arguments that only matrix products and convolutions
+              read (:data:`jax_blink.switch.overlap.WEIGHT_READERS`) and that a later step reads:
+              buffers already, and only the products that read a weight wait, so XLA may run the
+              weight gradients (which fill the buckets) first;
+            * ``"all"``: every value the rest of the program reads (the earlier form: XLA must
+              then materialise the forward pass's values);
+            * ``"none"``: nothing: XLA places the starts as it likes (on GPT-2 it sank them to
+              the end of the step) but fuses across them.
+
+            Any hold orders a bucket's producers before the rest of the pass, and XLA then splits
+            its fusions that join them: on ResNet-50, 44-47 of 48 where a bucket boundary splits
+            21, and with ``last_bucket_pieces=16`` ``"none"`` splits 1 (one H200, no
+            communication; ``benchmarks/NOTES.md``, changes 32 and 33). Not yet timed on several
+            GPUs.
         large_leaf_alone: A gradient of at least the cap gets a bucket of its own, the open
             bucket closed before it (:meth:`BucketLayout.of`); default False, DDP's buckets.
         last_bucket_pieces: The last bucket (the backward pass's last gradients) cut into this
@@ -175,7 +180,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
 def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int) -> list:
     """The keys that wait for a start made after step ``i``: those a later step reads and, for
     ``hold="recent"``, made after step ``since`` (else after the first gradient's step), for
-    ``hold="weights"``, the program's inputs that only ``WEIGHT_READERS`` read; for both,
+    ``hold="weights"``, the program's inputs that only ``WEIGHT_READERS`` read; for these two,
     none before the backward pass, where a start has no pass to hold back."""
     if hold == "none":
         return []

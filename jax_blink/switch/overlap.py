@@ -442,4 +442,5 @@ def _held_weights(held_weights, position, last_use, p, starts_at) -> list:
     return [v for v in held_weights if position.get(v, -1) < p and last_use.get(v, -1) > p]
 
 
-__all__ = ["HOLDS", "WEIGHT_READERS", "OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "done_p", "overlap_all_reduces", "start_p", "weights"]
+__all__ = ["HOLDS", "OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "WEIGHT_READERS", "done_p",
+           "overlap_all_reduces", "start_p", "weights"]

@@ -200,53 +200,41 @@ def _tree_packed(tree, cap_bytes: int, packing: str):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def kernels(hlo_text: str) -> collections.Counter:
-    """Kernel-launching instructions of the optimized HLO's entry computation, by name stem
-    (``loop_add_fusion.12`` counts as ``loop_add_fusion``; a library call by its opcode)."""
-    counts: collections.Counter = collections.Counter()
+def _entry_kernels(hlo_text: str):
+    """The kernel-launching instructions of the optimized HLO's entry computation, in the order it
+    is printed (its schedule): (name, opcode, line) each."""
     in_entry = False
     for line in hlo_text.splitlines():
         if line.startswith("ENTRY"):
             in_entry = True
             continue
         if in_entry and line.startswith("}"):
-            break
+            return
         m = _INSTRUCTION.match(line) if in_entry else None
-        if not m or m.group(2) in _NO_KERNEL:
-            continue
-        name, op = m.groups()
-        counts[re.sub(r"[.\d]+$", "", name) if op == "fusion" else op] += 1
-    return counts
+        if m and m.group(2) not in _NO_KERNEL:
+            yield m.group(1), m.group(2), line
+
+
+def kernels(hlo_text: str) -> collections.Counter:
+    """Kernel-launching instructions of the optimized HLO's entry computation, by name stem
+    (``loop_add_fusion.12`` counts as ``loop_add_fusion``; a library call by its opcode)."""
+    return collections.Counter(re.sub(r"[.\d]+$", "", name) if op == "fusion" else op
+                               for name, op, _ in _entry_kernels(hlo_text))
 
 
 #: A kernel of the entry computation that is a matrix product or convolution (a library call or
 #: a fusion around one): the compute a started all-reduce can run beside.
-_PRODUCT = re.compile(r"cublas|cudnn|gemm|\bdot\b|convolution|conv\b|__cudnn")
+_PRODUCT = re.compile(r"cublas|cudnn|gemm|\bdot\b|convolution|conv\b")
 
 
 def start_placement(hlo_text: str) -> list[tuple[int, int]]:
     """Where XLA's schedule put each start of an overlap shape: for each ``_START_TARGET`` call of
     the optimized HLO's entry computation (printed in schedule order), in order, the kernels
     before it and the matrix products or convolutions after it (what it can overlap with)."""
-    kinds: list[str] = []  # "start", "product" or "kernel", in schedule order
-    in_entry = False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY"):
-            in_entry = True
-            continue
-        if in_entry and line.startswith("}"):
-            break
-        m = _INSTRUCTION.match(line) if in_entry else None
-        if not m or m.group(2) in _NO_KERNEL:
-            continue
-        name, op = m.groups()
-        if _START_TARGET in line:
-            kinds.append("start")
-        elif _PRODUCT.search(name) or (op == "custom-call" and _PRODUCT.search(line)):
-            kinds.append("product")
-        else:
-            kinds.append("kernel")
-    return [(sum(1 for k in kinds[:i] if k != "start"), sum(1 for k in kinds[i:] if k == "product"))
+    kinds = ["start" if _START_TARGET in line
+             else "product" if _PRODUCT.search(name) or (op == "custom-call" and _PRODUCT.search(line))
+             else "kernel" for name, op, line in _entry_kernels(hlo_text)]
+    return [(sum(1 for k in kinds[:i] if k != "start"), kinds[i:].count("product"))
             for i, k in enumerate(kinds) if k == "start"]
 
 

@@ -139,6 +139,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     handles: list = [None] * len(layout.buckets)
     started: list = []
     since = backward - 1  # hold="recent": values made after this step are the recent ones
+    weights = frozenset(_weights(program)) if hold == "weights" else frozenset()
     platform = _platform()  # the executor's bucket packing applies (lowering/packing.py)
 
     def read(k):
@@ -155,7 +156,7 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
             # before it, and the start cannot sink to the end of the step. Not for a start that
             # became XLA's own all-reduce (the dispatch table's lax sizes): XLA's scheduler places
             # and overlaps those itself, and the barriers cost its GPT-2 step 2.6% (4 x H200).
-            live = _held(program, values, i, hold, since, backward) if h.site is not None else []
+            live = _held(program, values, i, hold, since, backward, weights) if h.site is not None else []
             if live:
                 tied = lax.optimization_barrier((h.passed, [values[k] for k in live]))
                 values.update(zip(live, tied[1]))
@@ -177,10 +178,11 @@ def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list
     return result
 
 
-def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int) -> list:
+def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, since: int, backward: int,
+          weights: frozenset) -> list:
     """The keys that wait for a start made after step ``i``: those a later step reads and, for
     ``hold="recent"``, made after step ``since`` (else after the first gradient's step), for
-    ``hold="weights"``, the program's inputs that only ``WEIGHT_READERS`` read; for these two,
+    ``hold="weights"``, those of ``weights`` (the program's :func:`_weights`); for these two,
     none before the backward pass, where a start has no pass to hold back."""
     if hold == "none":
         return []
@@ -190,7 +192,6 @@ def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, sin
     if i < backward:
         return []
     if hold == "weights":
-        weights = set(_weights(program))
         return [k for k in live if k in weights]
     recent = [k for k in live if program.made(k) > since]
     return recent or [k for k in live if program.made(k) >= backward]

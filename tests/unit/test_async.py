@@ -317,8 +317,8 @@ def test_value_and_grad_overlapped_recent_holds_only_backward_values(monkeypatch
     seen = []
     real = overlapped_grad._held
 
-    def spy(program, values, i, hold, since, backward):
-        keys = real(program, values, i, hold, since, backward)
+    def spy(program, values, i, hold, since, backward, weights):
+        keys = real(program, values, i, hold, since, backward, weights)
         seen.append((hold, i, since, backward, keys, program))
         return keys
 
@@ -360,8 +360,8 @@ def test_value_and_grad_overlapped_weights_holds_only_the_products_weights(monke
     seen = []
     real = overlapped_grad._held
 
-    def spy(program, values, i, hold, since, backward):
-        keys = real(program, values, i, hold, since, backward)
+    def spy(program, values, i, hold, since, backward, weights):
+        keys = real(program, values, i, hold, since, backward, weights)
         seen.append((i, backward, keys, program))
         return keys
 

@@ -4,7 +4,7 @@
 # (the device image has none): see README "GPU machines".
 #   STEPS="build selftest tests bench" bash benchmarks/gpu_session.sh
 # Steps: build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4
-# multi train variants decode schedule twoshot cesweep linkprobe auto3 (hybrid and stbench use
+# multi train holds variants decode schedule twoshot cesweep linkprobe auto3 (hybrid and stbench use
 # the self-test binary that selftest builds; ST_BIN names one built beforehand, e.g. carried in
 # .carry/, and then nothing is compiled for it).
 # Knobs: CUDA_ARCHS (the package's GPU architectures: all, the default, as users get it; native
@@ -37,6 +37,9 @@
 # picks the modes (the train tool's --modes; psum and the two baselines always); TRAIN_RESNET_ARGS="--batch 64"
 # gives ResNet-50 more work per GPU (at its 32 images the step is host-bound on H200s); TRAIN_ASYNC_BLOCKS="8 12"
 # adds a GPT-2 run per overlapped grid size, 1.5 min each);
+# holds (issue 28): the GPU tests of hold= and switch_hold=, then ResNet-50 and GPT-2 small with
+# each hold taking turns against psum (HOLDS_RUNS picks the runs: resnet-overlap resnet-switch
+# gpt2-overlap gpt2-switch; HOLDS_TESTS=0 leaves the tests out);
 # variants looks for session 16's 4-GPU fault: ResNet-50 (128 images per GPU) under the switch with
 # switch-late alone, switch-8blocks alone, then those with switch and switch-tree taking turns (the
 # run that faulted), each bounded (about 6 minutes in all); the train tool checks each mode against psum.
@@ -46,11 +49,15 @@
 set -uo pipefail
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"build selftest tests bench"}
-KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train variants decode schedule twoshot cesweep linkprobe auto3 "
+KNOWN_STEPS=" build selftest stbench tests sanitizer hybrid ce overhead ipc bench sanitize4 soak faults4 multi train holds variants decode schedule twoshot cesweep linkprobe auto3 "
 for step in $STEPS; do  # every name checked before anything runs: a typo must not cost a GPU call
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
 STEPS=${STEPS//multi/sanitize4 soak faults4}
+for run in ${HOLDS_RUNS:-}; do  # likewise the holds step's runs
+  [[ " resnet-overlap resnet-switch gpt2-overlap gpt2-switch " == *" $run "* ]] \
+    || { echo "gpu_session.sh: unknown HOLDS_RUNS entry '$run'; runs: resnet-overlap resnet-switch gpt2-overlap gpt2-switch" >&2; exit 2; }
+done
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
 CUDA_ARCHS=${CUDA_ARCHS:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -202,6 +209,29 @@ PY
         JAX_BLINK_ASYNC_BLOCKS=$blocks timeout -k 5 200 python3 -m jax_blink.tools.train --model gpt2 --size full \
           --collective overlap --steps 2 --timing-runs 10 --out "$OUT/train-blocks$blocks" > "$OUT/train-gpt2-blocks$blocks.log" 2>&1
         echo "train gpt2 async blocks $blocks rc=$?" | tee -a "$OUT/session.log"; grep "ms " "$OUT/train-gpt2-blocks$blocks.log" | tail -4
+      done ;;
+    holds)  # issue 28: what the overlapped starts hold (hold= / switch_hold=), the GPU tests, then the
+      # models with each hold taking turns against psum (HOLDS_RUNS picks: resnet-overlap resnet-switch
+      # gpt2-overlap gpt2-switch; each about 4-5 minutes on 4 x H200, ResNet-50 at 128 images per GPU)
+      log holds
+      mkdir -p "$OUT/holds"
+      if [ "${HOLDS_TESTS:-1}" = 1 ]; then
+        timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_async_gpu.py tests/gpu/test_switch_gpu.py \
+          -k "overlapped_on_gpus or holds_on_gpus" > "$OUT/holds/tests.log" 2>&1
+        echo "holds tests rc=$?" | tee -a "$OUT/session.log"; tail -3 "$OUT/holds/tests.log"
+      fi
+      for run in ${HOLDS_RUNS:-resnet-overlap resnet-switch gpt2-overlap gpt2-switch}; do
+        case $run in
+          resnet-overlap) model="resnet --size medium --batch 128"; collective=overlap
+                          modes=overlap,overlap-none,overlap-weights,overlap-none-last16 ;;
+          resnet-switch) model="resnet --size medium --batch 128"; collective=switch; modes=switch,switch-weights,switch-none-last16 ;;
+          gpt2-overlap) model="gpt2 --size full"; collective=overlap; modes=overlap,overlap-none,overlap-weights ;;
+          gpt2-switch) model="gpt2 --size full"; collective=switch; modes=switch,switch-weights,switch-tree,switch-tree-weights ;;
+        esac
+        timeout -k 5 280 python3 -m jax_blink.tools.train --model $model --collective $collective --steps 2 --timing-runs 10 \
+          --modes "$modes" --profile "/tmp/prof-$run" --out "$OUT/holds" > "$OUT/holds/$run.log" 2>&1
+        echo "holds $run rc=$?" | tee -a "$OUT/session.log"; grep -v "^  bucket" "$OUT/holds/$run.log" | tail -12
+        for k in /tmp/prof-$run/kernels-*-vs-none.txt; do [ -f "$k" ] && cp "$k" "$OUT/holds/$run-$(basename "$k")"; done
       done ;;
     variants)  # issue 28: session 16's fault on 4 GPUs, one switch variant at a time, then together
       log variants

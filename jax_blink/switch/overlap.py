@@ -212,7 +212,7 @@ def overlap_all_reduces(jaxpr, cap_bytes: int, late_last_wait: bool = False,
         items.append(((last, 3, 0), "done", (tuple(range(len(buckets) - 1)), ())))
         items.append(((n, 4, 0), "done", ((len(buckets) - 1,), tuple(after))))
     items.sort(key=lambda t: t[0])
-    rewritten = _emit(jaxpr, eqns, items, buckets, hold, weights(jaxpr) if hold == "weights" else None)
+    rewritten = _emit(jaxpr, eqns, items, buckets, hold)
     unbound = _first_unbound(rewritten)
     if unbound is not None:  # a safety net: a program the rewrite got wrong is left as written
         return Rewrite(jaxpr, 0, 0, f"left as written: the rewrite would read {unbound} before making it")
@@ -351,9 +351,9 @@ def weights(jaxpr) -> list:
             and _jx.is_plain_array(v.aval)]
 
 
-def _emit(jaxpr, eqns, items, buckets, hold: str = "recent", held_weights=None):
-    """The body in the order of ``items``, with the starts, their held values (``hold``; for
-    ``"weights"``, ``held_weights`` are the body's weights) and the done."""
+def _emit(jaxpr, eqns, items, buckets, hold: str = "recent"):
+    """The body in the order of ``items``, with the starts, their held values (``hold``) and the done."""
+    held_weights = weights(jaxpr) if hold == "weights" else []
     position = {}  # original variable -> the index in ``items`` of what makes it
     last_use: dict = {}
     for p, (_, kind, payload) in enumerate(items):

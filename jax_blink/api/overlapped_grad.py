@@ -33,7 +33,7 @@ from jax_blink.lowering import jaxpr_steps
 from jax_blink.lowering.mesh import AxisName, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from jax_blink.options.settings import check_piece_count
-from jax_blink.switch.overlap import WEIGHT_READERS
+from jax_blink.switch.overlap import read_as_weight
 
 #: What ``value_and_grad_overlapped(hold=...)`` takes.
 HOLDS = ("recent", "all", "none", "weights")
@@ -198,11 +198,12 @@ def _held(program: jaxpr_steps.FlatProgram, values: dict, i: int, hold: str, sin
 
 
 def _weights(program: jaxpr_steps.FlatProgram) -> list:
-    """The program's inputs that some step reads and every step reading them is one of
-    ``WEIGHT_READERS`` (a BatchNorm scale or a bias, read by elementwise code, is not)."""
+    """The program's inputs that are weights by the switch's rule
+    (:func:`jax_blink.switch.overlap.read_as_weight`): a BatchNorm scale or a bias, read by
+    elementwise code, is not."""
     readers: dict = {k: set() for k in program.in_keys}
     for step in program.steps:
         for k in step.ins:
             if not isinstance(k, jaxpr_steps.Lit) and k in readers:
                 readers[k].add(step.eqn.primitive.name)
-    return [k for k, names in readers.items() if names and names <= WEIGHT_READERS]
+    return [k for k, names in readers.items() if read_as_weight(names)]

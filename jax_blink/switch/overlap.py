@@ -79,6 +79,15 @@ _bucket_ids = itertools.count()
 #: program: matrix products and convolutions, and the reversal and transposition that feed them
 #: a weight (jax's transpose of a convolution reverses its kernel).
 WEIGHT_READERS = frozenset({"dot_general", "conv_general_dilated", "rev", "transpose"})
+
+
+def read_as_weight(readers: set) -> bool:
+    """Whether a value whose readers are the primitives named ``readers`` is a weight: something
+    reads it and every reader is one of :data:`WEIGHT_READERS` (the one rule of
+    ``hold="weights"``, for the switch's jaxpr and the explicit API's flat program alike)."""
+    return bool(readers) and readers <= WEIGHT_READERS
+
+
 #: What the starts may hold back.
 HOLDS = ("recent", "weights", "none")
 #: Equations that hand a body's input on unchanged (a parameter made varying for its gradient).
@@ -347,7 +356,7 @@ def weights(jaxpr) -> list:
             passed += [v for v in e.outvars if v not in known]
             known.update(e.outvars)
     returned = {v for v in jaxpr.outvars if _jx.is_var(v)}
-    return [v for v in passed if readers[v] and readers[v] <= WEIGHT_READERS and v not in returned
+    return [v for v in passed if read_as_weight(readers[v]) and v not in returned
             and _jx.is_plain_array(v.aval)]
 
 
@@ -443,4 +452,4 @@ def _held_weights(held_weights, position, last_use, p, starts_at) -> list:
 
 
 __all__ = ["HOLDS", "OVERLAPPABLE", "OVERLAPPABLE_PRIMITIVES", "Rewrite", "WEIGHT_READERS", "done_p",
-           "overlap_all_reduces", "start_p", "weights"]
+           "overlap_all_reduces", "read_as_weight", "start_p", "weights"]

@@ -489,6 +489,16 @@ def test_a_pmean_of_gradients_jax_already_summed():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_read_as_weight_is_one_rule_for_both_program_forms():
+    """A value is a weight when something reads it and only products, convolutions and the
+    reversal or transposition feeding them do: unread, or read once elementwise, it is not."""
+    assert overlap.read_as_weight({"dot_general"})
+    assert overlap.read_as_weight({"conv_general_dilated", "rev"})
+    assert not overlap.read_as_weight(set())
+    assert not overlap.read_as_weight({"dot_general", "add"})
+    assert not overlap.read_as_weight({"mul"})
+
+
 def test_hold_weights_holds_only_what_products_alone_read():
     """switch_hold="weights": the body's weights are the parameters made varying (pvary) that only
     matrix products read (each layer's w and the head: not the biases, added elementwise, nor the

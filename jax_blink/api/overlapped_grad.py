@@ -1,7 +1,8 @@
 """Gradients summed over a mesh axis while the backward pass runs: DDP's overlap for JAX::
 
     step_grad = jax_blink.value_and_grad_overlapped(loss, "data")
-    loss, grads = step_grad(params, batch)      # grads: summed over "data" (psum's numbers)
+    mine = lax.pcast(params, "data", to="varying")  # inside shard_map(check_vma=True)
+    loss, grads = step_grad(mine, batch)        # grads: summed over "data" (psum's numbers)
 
 It traces ``jax.value_and_grad(fun)``, packs the gradients into DDP buckets in the order the
 backward pass makes them (:func:`jax_blink.api.buckets.gradient_order`), and runs the traced
@@ -49,7 +50,10 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
     all-reduce started inside the backward pass as soon as its gradients exist.
 
     Call the result inside ``shard_map`` (or ``pmap``) over ``axis_name``, where the gradients
-    are per-device (e.g. of parameters made varying with ``lax.pcast``).
+    are per-device: inside ``shard_map(check_vma=True)``, of parameters made varying with
+    ``lax.pcast(params, axis_name, to="varying")``. A parameter left invariant there is refused
+    (ValueError): jax's transpose would sum its gradient itself, and summing again would give the
+    axis size times psum's numbers.
 
     Args:
         fun: The loss, as for ``jax.value_and_grad``.
@@ -108,6 +112,7 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         reduced = list(range(1 if reduce_aux else n_value, len(program.out_keys)))
         if not reduced:
             raise ValueError("value_and_grad_overlapped: nothing to sum (no gradient leaves)")
+        _refuse_summed_gradients(program, n_value, shapes[1], axis_name)
         tree = [jax.ShapeDtypeStruct(closed.jaxpr.outvars[i].aval.shape, closed.jaxpr.outvars[i].aval.dtype)
                 for i in reduced]
         order = _buckets.ready_order(program, [program.out_keys[i] for i in reduced])
@@ -121,6 +126,33 @@ def value_and_grad_overlapped(fun: Callable, axis_name: AxisName, *, argnums: in
         return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
     return run
+
+
+def _refuse_summed_gradients(program: jaxpr_steps.FlatProgram, n_value: int, grad_shapes, axis_name) -> None:
+    """Raise where jax's own transpose already summed a gradient over ``axis_name``.
+
+    Inside ``shard_map(check_vma=True)`` a parameter that is the same on every device
+    (invariant) enters the loss through a ``pvary``, whose transpose is a ``psum_invariant``: its
+    gradient comes out summed. Summing it again would give the axis size times psum's numbers,
+    and the all-reduces would run as jax's, one per leaf, with nothing overlapped.
+    """
+    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    summed: set = set()
+    for step in program.steps:
+        eqn = step.eqn
+        if ((eqn.primitive.name == "psum_invariant" and axes & set(eqn.params.get("axes", ())))
+                or any(k in summed for k in step.ins if not isinstance(k, jaxpr_steps.Lit))):
+            summed.update(step.outs)
+    paths = [jax.tree_util.keystr(path) or "the argument" for path, _ in jax.tree_util.tree_flatten_with_path(grad_shapes)[0]]
+    hit = [paths[j] if j < len(paths) else f"#{j}" for j, k in enumerate(program.out_keys[n_value:]) if k in summed]
+    if hit:
+        name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
+        raise ValueError(
+            f"value_and_grad_overlapped: jax already summed the gradient of {len(hit)} parameter leaf(s) over "
+            f"{name!r} ({', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''}): inside shard_map(check_vma=True) these "
+            f"parameters are the same on every device, so jax's transpose sums their gradients itself, and summing "
+            f"again would give the axis size times psum's numbers. Pass them made varying, "
+            f"lax.pcast(params, {name!r}, to='varying'), as in docs/overlap.md")
 
 
 def _run_with_starts(program: jaxpr_steps.FlatProgram, args: list, reduced: list[int], layout,

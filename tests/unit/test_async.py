@@ -408,6 +408,39 @@ def test_value_and_grad_overlapped_weights_holds_only_the_products_weights(monke
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
 
 
+def test_value_and_grad_overlapped_refuses_gradients_jax_already_summed():
+    """Inside shard_map(check_vma=True), parameters left invariant get gradients that jax's own
+    transpose sums (a psum_invariant per leaf): summing them again would give N times psum's. The
+    call names the leaves and the fix; with the parameters made varying it gives psum's numbers."""
+    rng = np.random.default_rng(41)
+    params = {"b": jnp.asarray(rng.normal(size=16), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)}
+    xs = _sharded(rng.normal(size=(N, 3, 16)).astype(np.float32))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+    def step(which):
+        @jax.jit
+        @jax.shard_map(mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P())
+        def f(params, xs):
+            mine = lax.pcast(params, "data", to="varying")
+            if which == "psum":
+                return lax.psum(jax.grad(loss)(mine, xs[0]), "data")
+            return jax_blink.value_and_grad_overlapped(loss, "data")(params if which == "invariant" else mine,
+                                                                    xs[0])[1]
+        return f
+
+    with pytest.raises(ValueError, match=r"already summed the gradient of 2 parameter leaf\(s\) over 'data' "
+                                         r"\(\['b'\], \['w'\]\).*lax.pcast\(params, 'data', to='varying'\)"):
+        step("invariant")(params, xs)
+    want = step("psum")(params, xs)
+    with override(dispatch="blink"):
+        got = step("varying")(params, xs)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-5, atol=1e-6)
+
+
 def test_value_and_grad_overlapped_rejects_bad_options():
     with pytest.raises(ValueError, match="hold must be one of"):
         jax_blink.value_and_grad_overlapped(_mlp_loss, "data", hold="some")

@@ -54,9 +54,9 @@ for step in $STEPS; do  # every name checked before anything runs: a typo must n
   [[ "$KNOWN_STEPS" == *" $step "* ]] || { echo "gpu_session.sh: unknown step '$step'; steps:$KNOWN_STEPS" >&2; exit 2; }
 done
 STEPS=${STEPS//multi/sanitize4 soak faults4}
-for run in ${HOLDS_RUNS:-}; do  # likewise the holds step's runs
-  [[ " resnet-overlap resnet-switch gpt2-overlap gpt2-switch " == *" $run "* ]] \
-    || { echo "gpu_session.sh: unknown HOLDS_RUNS entry '$run'; runs: resnet-overlap resnet-switch gpt2-overlap gpt2-switch" >&2; exit 2; }
+HOLDS_ALL="resnet-overlap resnet-switch gpt2-overlap gpt2-switch"  # the holds step's runs
+for run in ${HOLDS_RUNS:-}; do  # likewise checked before anything runs
+  [[ " $HOLDS_ALL " == *" $run "* ]] || { echo "gpu_session.sh: unknown HOLDS_RUNS entry '$run'; runs: $HOLDS_ALL" >&2; exit 2; }
 done
 BENCH_ARGS=${BENCH_ARGS:-"-b 1K -e 1G -f 4 -d float32,bfloat16"}
 CUDA_ARCHS=${CUDA_ARCHS:-all}
@@ -211,8 +211,8 @@ PY
         echo "train gpt2 async blocks $blocks rc=$?" | tee -a "$OUT/session.log"; grep "ms " "$OUT/train-gpt2-blocks$blocks.log" | tail -4
       done ;;
     holds)  # issue 28: what the overlapped starts hold (hold= / switch_hold=), the GPU tests, then the
-      # models with each hold taking turns against psum (HOLDS_RUNS picks: resnet-overlap resnet-switch
-      # gpt2-overlap gpt2-switch; each about 4-5 minutes on 4 x H200, ResNet-50 at 128 images per GPU)
+      # models with each hold taking turns against psum (HOLDS_RUNS picks of $HOLDS_ALL; each about
+      # 4-5 minutes on 4 x H200, ResNet-50 at 128 images per GPU)
       log holds
       mkdir -p "$OUT/holds"
       if [ "${HOLDS_TESTS:-1}" = 1 ]; then
@@ -220,7 +220,7 @@ PY
           -k "overlapped_on_gpus or holds_on_gpus" > "$OUT/holds/tests.log" 2>&1
         echo "holds tests rc=$?" | tee -a "$OUT/session.log"; tail -3 "$OUT/holds/tests.log"
       fi
-      for run in ${HOLDS_RUNS:-resnet-overlap resnet-switch gpt2-overlap gpt2-switch}; do
+      for run in ${HOLDS_RUNS:-$HOLDS_ALL}; do
         case $run in
           resnet-overlap) model="resnet --size medium --batch 128"; collective=overlap
                           modes=overlap,overlap-none,overlap-weights,overlap-none-last16 ;;

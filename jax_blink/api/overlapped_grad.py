@@ -31,7 +31,7 @@ from jax import lax
 
 from jax_blink.api import buckets as _buckets
 from jax_blink.lowering import jaxpr_steps
-from jax_blink.lowering.mesh import AxisName, platform as _platform
+from jax_blink.lowering.mesh import AxisName, axes_of, platform as _platform
 from jax_blink.options import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from jax_blink.options.settings import check_piece_count
 from jax_blink.switch.overlap import read_as_weight
@@ -136,17 +136,18 @@ def _refuse_summed_gradients(program: jaxpr_steps.FlatProgram, n_value: int, gra
     gradient comes out summed. Summing it again would give the axis size times psum's numbers,
     and the all-reduces would run as jax's, one per leaf, with nothing overlapped.
     """
-    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    axes = axes_of(axis_name)
     summed: set = set()
     for step in program.steps:
         eqn = step.eqn
-        if ((eqn.primitive.name == "psum_invariant" and axes & set(eqn.params.get("axes", ())))
+        if ((eqn.primitive.name == "psum_invariant" and set(axes) & set(eqn.params.get("axes", ())))
                 or any(k in summed for k in step.ins if not isinstance(k, jaxpr_steps.Lit))):
             summed.update(step.outs)
-    paths = [jax.tree_util.keystr(path) or "the argument" for path, _ in jax.tree_util.tree_flatten_with_path(grad_shapes)[0]]
-    hit = [paths[j] if j < len(paths) else f"#{j}" for j, k in enumerate(program.out_keys[n_value:]) if k in summed]
+    leaves = jax.tree_util.tree_flatten_with_path(grad_shapes)[0]
+    hit = [jax.tree_util.keystr(path) or "the argument"
+           for (path, _), k in zip(leaves, program.out_keys[n_value:]) if k in summed]
     if hit:
-        name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
+        name = axes[0] if len(axes) == 1 else axes
         raise ValueError(
             f"value_and_grad_overlapped: jax already summed the gradient of {len(hit)} parameter leaf(s) over "
             f"{name!r} ({', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''}): inside shard_map(check_vma=True) these "
